@@ -1,0 +1,26 @@
+"""Configuration of the rollout service (section ``rollout``)."""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RolloutConfig(BaseModel):
+    """Rollout settings. Env names: ``FLYWHEEL_ROLLOUT__<FIELD>``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: Literal["torch", "sglang"] = "torch"
+    """Generation backend: ``torch`` (in-process transformers, CPU default) or ``sglang`` (HTTP server)."""
+    sglang_url: str = "http://127.0.0.1:30000"
+    """Base URL of the SGLang server when ``engine == "sglang"``."""
+    max_batch_requests: int = Field(4, ge=1, le=1024)
+    """Rollout requests taken from Kafka and generated together in one batch (backpressure bound)."""
+    torch_threads: int = Field(1, ge=1, le=256)
+    """``torch.set_num_threads`` for this process; two cores must not be oversubscribed."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights dtype of the torch engine."""
+    weight_poll_s: float = Field(0.5, gt=0, le=60)
+    """How often to look for a newer weight version while waiting for ``min_policy_version`` (seconds)."""
+    seed: int = 0
+    """Base seed of the sampler; each batch reseeds from it and the batch counter."""

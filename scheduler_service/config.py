@@ -1,0 +1,32 @@
+"""Configuration of the scheduler service (section ``scheduler``)."""
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SchedulerConfig(BaseModel):
+    """Scheduler settings. Env names: ``FLYWHEEL_SCHEDULER__<FIELD>``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    """Interface the REST API binds to."""
+    port: int = Field(8000, ge=0, le=65535)
+    """TCP port of the REST API."""
+    database_url: str = "sqlite:///flywheel-registry.db"
+    """Task registry. ``sqlite:///PATH`` (relative paths are under the run directory)."""
+    group_deadline_s: float = Field(600.0, gt=0)
+    """A group whose rewards have not all arrived this long after it was issued is re-issued (seconds)."""
+    max_attempts: int = Field(3, ge=1, le=100)
+    """Issues of one group (first issue included) before it is given up and counted."""
+    eval_every: int = Field(0, ge=0)
+    """Run a held-out evaluation every this many policy versions (0 = only when asked over REST)."""
+    eval_before_training: bool = True
+    """Evaluate the held-out split at policy version 0 before any training request is issued."""
+    max_tokens: int = Field(24, ge=1, le=32768)
+    """Default ``max_new_tokens`` of the rollout requests."""
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    """Sampling temperature of training rollouts (evaluation is greedy)."""
+    poll_interval_s: float = Field(0.05, gt=0, le=10)
+    """How often the sampler loop looks for capacity (seconds)."""
+    seed: int = 0
+    """Seed of the task sampler."""

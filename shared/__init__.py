@@ -1,0 +1,1 @@
+"""Flywheel's common package: message schemas, topics, Kafka helpers, config, telemetry, embedded broker."""

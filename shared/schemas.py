@@ -1,0 +1,369 @@
+"""Message schemas: one record type per topic (DESIGN.md, "Topics and messages").
+
+Every record is one JSON object encoded with orjson, carrying ``schema`` (its name) and
+``version`` (its schema version). :func:`decode` validates; a record that fails goes to
+flywheel.dlq as a :class:`DeadLetter` with the reason (see ``shared.kafka``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# ---------------------------------------------------------------- task-level pieces
+
+
+class ChatMessage(BaseModel):
+    """One chat turn."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = Field(min_length=1)
+
+
+class ReasoningGymSpec(BaseModel):
+    """Score with a reasoning-gym dataset's own scorer; reward 1 only when it returns exactly 1.0.
+
+    ``entry`` is the dataset item (question, answer, metadata) the scorer needs.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["reasoning_gym"] = "reasoning_gym"
+    dataset: str
+    entry: dict[str, Any]
+    extract: Literal["last_number", "answer_tag", "boxed", "full"] = "last_number"
+    """How the answer is taken from the completion before scoring (strict; no partial credit)."""
+
+
+class MathSpec(BaseModel):
+    """Math answer equivalence with math-verify (run in a process pool with our own time bound)."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["math"] = "math"
+    answer: str
+    """Gold answer (LaTeX or plain)."""
+
+
+class UnitTestsSpec(BaseModel):
+    """Run the completion (appended to ``prefix``) with ``tests`` in the sandbox; reward 1 when all pass.
+
+    Human-eval: ``prefix`` is the problem prompt, ``tests`` its ``test`` code, ``entry_point`` the function.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["unit_tests"] = "unit_tests"
+    tests: str
+    entry_point: str | None = None
+    prefix: str = ""
+    language: Literal["python"] = "python"
+    timeout_s: float | None = Field(None, gt=0, le=300)
+
+
+class ExactSpec(BaseModel):
+    """Reward 1 when the stripped completion equals ``answer`` (optionally case-folded)."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["exact"] = "exact"
+    answer: str
+    case_sensitive: bool = True
+
+
+class RegexSpec(BaseModel):
+    """Reward 1 when ``pattern`` matches the completion (``re.search``; anchor it with ``^`` for a prefix)."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["regex"] = "regex"
+    pattern: str
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, v: str) -> str:
+        import re
+
+        try:
+            re.compile(v)
+        except re.error as e:
+            raise ValueError(f"invalid regular expression: {e}") from e
+        return v
+
+
+VerifierSpec = Annotated[
+    Union[ReasoningGymSpec, MathSpec, UnitTestsSpec, ExactSpec, RegexSpec], Field(discriminator="kind")
+]
+
+
+class SamplingParams(BaseModel):
+    """Sampling parameters of one rollout request."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_new_tokens: int = Field(24, ge=1, le=32768)
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    """0 means greedy."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+
+
+# ---------------------------------------------------------------- records
+
+
+class Record(BaseModel):
+    """Base of every Kafka record: a schema name and version travel in each JSON object."""
+
+    model_config = ConfigDict(extra="forbid")
+    SCHEMA: ClassVar[str] = "record"
+    VERSION: ClassVar[int] = 1
+    schema_: str = Field("record", alias="schema")
+    version: int = 1
+
+    def __init__(self, **data: Any) -> None:
+        data.setdefault("schema", self.SCHEMA)
+        data.setdefault("version", self.VERSION)
+        super().__init__(**data)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_schema(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            name, ver = data.get("schema", cls.SCHEMA), data.get("version", cls.VERSION)
+            if name != cls.SCHEMA:
+                raise ValueError(f"schema is {name!r}, expected {cls.SCHEMA!r}")
+            if ver != cls.VERSION:
+                raise ValueError(f"schema version {ver} of {cls.SCHEMA!r} is not supported (want {cls.VERSION})")
+        return data
+
+    def encode(self) -> bytes:
+        """The record as one orjson-encoded JSON object."""
+        return orjson.dumps(self.model_dump(mode="json", by_alias=True))
+
+
+class Task(Record):
+    """flywheel.tasks, key task_id. Producer: scheduler (on registration). Consumers: analytics."""
+
+    SCHEMA: ClassVar[str] = "flywheel.Task"
+    task_id: str
+    domain: str = Field(min_length=1)
+    prompt: list[ChatMessage] = Field(min_length=1)
+    verifier: VerifierSpec
+    samples_per_task: int = Field(8, ge=2, le=1024)
+    """K: samples per group for training."""
+    difficulty: float = 0.0
+    split: Literal["train", "eval"] = "train"
+    max_turns: int = Field(1, ge=1, le=100)
+    tools: list[str] = Field(default_factory=list)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class RolloutRequest(Record):
+    """flywheel.rollout.requests, key group_id. Producer: scheduler. Consumer: rollout."""
+
+    SCHEMA: ClassVar[str] = "flywheel.RolloutRequest"
+    group_id: str
+    task: Task
+    n: int = Field(ge=1, le=1024)
+    sampling: SamplingParams
+    purpose: Literal["train", "eval"] = "train"
+    attempt: int = Field(1, ge=1)
+    min_policy_version: int = Field(0, ge=0)
+    eval_round: int | None = None
+    issued_at: float = Field(default_factory=time.time)
+
+
+class VersionSpan(BaseModel):
+    """Completion tokens [start, end) were produced by policy ``version``."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=0)
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+
+
+class Trajectory(Record):
+    """flywheel.trajectories, key group_id. Producer: rollout. Consumer: verifier.
+
+    ``completion_logprobs[i]`` is the behaviour policy's log-probability (natural log, float) of
+    ``completion_ids[i]`` under the sampling distribution; ``loss_mask[i]`` is 0 on tool output.
+    """
+
+    SCHEMA: ClassVar[str] = "flywheel.Trajectory"
+    trajectory_id: str
+    group_id: str
+    sample_index: int = Field(ge=0)
+    group_size: int = Field(ge=1)
+    task: Task
+    purpose: Literal["train", "eval"] = "train"
+    attempt: int = 1
+    eval_round: int | None = None
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_logprobs: list[float]
+    loss_mask: list[int]
+    completion_text: str
+    finish_reason: Literal["stop", "length", "abort", "error"]
+    error: str | None = None
+    policy_versions: list[VersionSpan]
+    timings: dict[str, float] = Field(default_factory=dict)
+    """Seconds: ``queue`` (request issued → picked up), ``generate`` (batch generation)."""
+
+    @model_validator(mode="after")
+    def _aligned(self) -> "Trajectory":
+        n = len(self.completion_ids)
+        if len(self.completion_logprobs) != n or len(self.loss_mask) != n:
+            raise ValueError(
+                f"completion_ids ({n}), completion_logprobs ({len(self.completion_logprobs)}) and "
+                f"loss_mask ({len(self.loss_mask)}) must have equal lengths"
+            )
+        return self
+
+    @property
+    def behaviour_version(self) -> int:
+        """Oldest policy version that produced any completion token (0 when empty)."""
+        return min((s.version for s in self.policy_versions), default=0)
+
+
+class Reward(BaseModel):
+    """Verifier output for one trajectory."""
+
+    model_config = ConfigDict(extra="forbid")
+    total: float
+    components: dict[str, float] = Field(default_factory=dict)
+    details: dict[str, Any] = Field(default_factory=dict)
+    infra_error: bool = False
+    """True when the reward could not be computed because of infrastructure (never a 0 reward)."""
+
+
+class ScoredTrajectory(Record):
+    """flywheel.scored, key group_id. Producer: verifier. Consumer: trainer."""
+
+    SCHEMA: ClassVar[str] = "flywheel.ScoredTrajectory"
+    trajectory: Trajectory
+    reward: Reward
+
+
+class RewardEvent(Record):
+    """flywheel.rewards, key task_id. Producer: verifier. Consumers: scheduler, analytics."""
+
+    SCHEMA: ClassVar[str] = "flywheel.RewardEvent"
+    task_id: str
+    group_id: str
+    trajectory_id: str
+    sample_index: int
+    group_size: int
+    domain: str
+    difficulty: float
+    purpose: Literal["train", "eval"]
+    attempt: int = 1
+    eval_round: int | None = None
+    reward: float
+    passed: bool
+    infra_error: bool = False
+    completion_tokens: int
+    finish_reason: str
+    policy_version: int
+
+
+class TensorInfo(BaseModel):
+    """One entry of a weight manifest."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    shape: list[int]
+    dtype: str
+
+
+class WeightUpdate(Record):
+    """flywheel.weights, key model name. Producer: trainer. Consumers: rollout (every replica), scheduler."""
+
+    SCHEMA: ClassVar[str] = "flywheel.WeightUpdate"
+    model: str
+    version: int = Field(ge=0)
+    step: int = Field(ge=0)
+    transport: Literal["checkpoint", "distributed"] = "checkpoint"
+    path: str | None = None
+    """Safetensors file of this version in the checkpoint store (transport ``checkpoint``)."""
+    manifest: list[TensorInfo]
+    checksum: str
+    """``sha256:<hex>`` of the safetensors file."""
+    created_at: float = Field(default_factory=time.time)
+
+
+class Metrics(Record):
+    """flywheel.metrics, key source. Producer: any service. Consumers: analytics, scheduler.
+
+    ``values`` uses names prefixed by area (``loss/``, ``rollout/``, ``train/``...).
+    """
+
+    SCHEMA: ClassVar[str] = "flywheel.Metrics"
+    source: str
+    step: int | None = None
+    policy_version: int | None = None
+    values: dict[str, float]
+    time: float = Field(default_factory=time.time)
+
+
+class Alert(Record):
+    """flywheel.alerts, key source. Producer: any service. Consumers: analytics, scheduler."""
+
+    SCHEMA: ClassVar[str] = "flywheel.Alert"
+    source: str
+    severity: Literal["info", "warning", "error"] = "warning"
+    message: str
+    details: dict[str, Any] = Field(default_factory=dict)
+    time: float = Field(default_factory=time.time)
+
+
+class Control(Record):
+    """flywheel.control, key target service. Producer: CLI/scheduler. Consumers: every service."""
+
+    SCHEMA: ClassVar[str] = "flywheel.Control"
+    target: str = "all"
+    command: Literal["pause", "resume", "stop"]
+    reason: str = ""
+
+
+class DeadLetter(Record):
+    """flywheel.dlq, key = the original key. Producer: any consumer that met a malformed record."""
+
+    SCHEMA: ClassVar[str] = "flywheel.DeadLetter"
+    source_topic: str
+    partition: int
+    offset: int
+    consumer: str
+    reason: str
+    payload: str
+    """The original value, decoded as UTF-8 with replacement (truncated to 64 KiB)."""
+    time: float = Field(default_factory=time.time)
+
+
+R = TypeVar("R", bound=Record)
+
+
+class DecodeError(ValueError):
+    """A record that is not valid JSON or fails its schema; ``reason`` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def decode(raw: bytes | None, cls: type[R]) -> R:
+    """Parse and validate one record of type ``cls``.
+
+    Raises:
+        DecodeError: the bytes are not a JSON object or fail validation (the reason names the field).
+    """
+    if raw is None:
+        raise DecodeError("empty record value")
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise DecodeError(f"not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise DecodeError(f"not a JSON object but {type(obj).__name__}")
+    try:
+        return cls.model_validate(obj)
+    except ValidationError as e:
+        errs = "; ".join(f"{'.'.join(map(str, er['loc'])) or '<root>'}: {er['msg']}" for er in e.errors()[:5])
+        raise DecodeError(f"{cls.SCHEMA} v{cls.VERSION} validation failed: {errs}") from None

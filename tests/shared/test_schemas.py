@@ -1,0 +1,67 @@
+import orjson
+import pytest
+
+from shared.schemas import DecodeError, RewardEvent, Task, Trajectory, decode
+
+
+def _task(**kw):
+    base = dict(task_id="t1", domain="toy", prompt=[{"role": "user", "content": "hi"}],
+                verifier={"kind": "regex", "pattern": "^a"})
+    base.update(kw)
+    return Task(**base)
+
+
+def test_task_round_trip_keeps_schema_and_discriminated_verifier():
+    t = _task(verifier={"kind": "math", "answer": "1/2"}, metadata={"x": [1, 2]})
+    obj = orjson.loads(t.encode())
+    assert obj["schema"] == "flywheel.Task" and obj["version"] == 1
+    back = decode(t.encode(), Task)
+    assert back == t and back.verifier.kind == "math"
+
+
+def test_trajectory_round_trip_and_alignment_check():
+    t = _task()
+    tr = Trajectory(trajectory_id="g:1:0", group_id="g", sample_index=0, group_size=2, task=t, prompt_ids=[1, 2],
+                    completion_ids=[3, 4], completion_logprobs=[-0.1, -0.2], loss_mask=[1, 1], completion_text="ab",
+                    finish_reason="stop", policy_versions=[{"version": 3, "start": 0, "end": 2}])
+    assert decode(tr.encode(), Trajectory) == tr
+    assert tr.behaviour_version == 3
+    bad = orjson.loads(tr.encode())
+    bad["loss_mask"] = [1]
+    with pytest.raises(DecodeError, match="equal lengths"):
+        decode(orjson.dumps(bad), Trajectory)
+
+
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        (b"not json", "not JSON"),
+        (b"[1, 2]", "not a JSON object"),
+        (b'{"schema": "flywheel.Task", "version": 1}', "task_id"),
+        (b'{"schema": "flywheel.Other", "version": 1}', "schema is"),
+    ],
+)
+def test_decode_rejects_with_reason(raw, needle):
+    with pytest.raises(DecodeError, match=needle):
+        decode(raw, Task)
+
+
+def test_wrong_schema_version_is_rejected():
+    obj = orjson.loads(_task().encode())
+    obj["version"] = 99
+    with pytest.raises(DecodeError, match="version 99"):
+        decode(orjson.dumps(obj), Task)
+
+
+def test_task_rejects_k_below_two_and_empty_prompt():
+    with pytest.raises(ValueError, match="samples_per_task"):
+        _task(samples_per_task=1)
+    with pytest.raises(ValueError, match="prompt"):
+        _task(prompt=[])
+    with pytest.raises(ValueError, match="kind"):
+        _task(verifier={"kind": "nope"})
+
+
+def test_reward_event_rejects_wrong_schema_name():
+    with pytest.raises(DecodeError):
+        decode(_task().encode(), RewardEvent)

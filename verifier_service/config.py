@@ -1,0 +1,22 @@
+"""Configuration of the verifier service (section ``verifier``)."""
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class VerifierConfig(BaseModel):
+    """Verifier settings. Env names: ``FLYWHEEL_VERIFIER__<FIELD>``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sandbox_url: str = "http://127.0.0.1:8100"
+    """Base URL of the sandbox service used by the ``unit_tests`` verifier kind."""
+    max_batch: int = Field(64, ge=1, le=10000)
+    """Trajectories fetched from Kafka per poll."""
+    infra_retries: int = Field(3, ge=0, le=20)
+    """Attempts after the first when a scorer hits an infrastructure failure (sandbox down, timeout)."""
+    retry_backoff_s: float = Field(0.5, ge=0, le=60)
+    """Sleep before each infrastructure retry, doubled every attempt (seconds)."""
+    math_timeout_s: float = Field(5.0, gt=0, le=120)
+    """Wall-clock bound of one math-verify comparison, enforced by the process pool (seconds)."""
+    code_timeout_s: float = Field(10.0, gt=0, le=300)
+    """Wall-clock limit given to the sandbox for one unit-test run (seconds)."""
