@@ -1,0 +1,58 @@
+"""The rollout engine interface. ``torch`` implements it in process; an SGLang backend over HTTP
+(token-in/token-out ``/generate`` with logprobs, weight updates, pause/continue) implements it later.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+from shared.schemas import SamplingParams, VersionSpan, WeightUpdate
+
+
+@dataclass
+class GenerationRequest:
+    """``n`` samples of one prompt (token ids) with ``sampling``."""
+
+    prompt_ids: list[int]
+    n: int
+    sampling: SamplingParams
+
+
+@dataclass
+class Sample:
+    """One generated completion.
+
+    ``logprobs[i]`` is the behaviour log-probability (natural log) of ``completion_ids[i]`` under the
+    distribution it was sampled from (temperature applied; the raw model distribution when greedy).
+    """
+
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    versions: list[VersionSpan] = field(default_factory=list)
+    error: str | None = None
+
+
+class Engine(abc.ABC):
+    """A generator of samples with a known policy version."""
+
+    policy_version: int = 0
+
+    @abc.abstractmethod
+    def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
+        """Generate ``r.n`` samples per request; blocking (call it from a worker thread).
+
+        Returns one list of samples per request, in request order.
+        """
+
+    @abc.abstractmethod
+    def update_weights(self, update: WeightUpdate) -> None:
+        """Load the weights of ``update`` and set ``policy_version`` to its version; blocking.
+
+        Raises:
+            FileNotFoundError, ValueError: the version cannot be loaded (missing, bad checksum).
+        """
+
+    def close(self) -> None:
+        """Release resources (default: nothing)."""

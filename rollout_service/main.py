@@ -1,0 +1,192 @@
+"""Rollout service: turn rollout requests into trajectories with the newest policy available.
+
+Loop: ``getmany`` at most ``max_batch_requests`` requests (the rest stay in Kafka for other
+replicas) → apply the newest announced weight version (between batches only) → wait until the
+engine's version reaches every request's ``min_policy_version`` → generate in a worker thread →
+produce one Trajectory per sample and await the acks → commit.
+
+Weight versions are read from flywheel.weights without a consumer group (every replica sees
+every version, from the earliest offset), and at start-up from the checkpoint store's newest
+manifest, so a replica that joins late or lost the broker still catches up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+
+from rollout_service.engine import Engine, GenerationRequest
+from shared import kafka, topics
+from shared.checkpoint import CheckpointStore
+from shared.config import FlywheelConfig
+from shared.model import encode_chat, load_model, load_tokenizer, resolve_model_dir
+from shared.schemas import Metrics, RolloutRequest, Trajectory, WeightUpdate, decode, DecodeError
+from shared.telemetry import setup_logging, setup_tracing
+
+log = logging.getLogger("rollout")
+
+
+def build_engine(config: FlywheelConfig):
+    """The configured engine and its tokenizer.
+
+    Raises:
+        NotImplementedError: ``engine == "sglang"`` (not built yet).
+    """
+    cfg = config.rollout
+    if cfg.engine != "torch":
+        raise NotImplementedError(f"rollout engine {cfg.engine!r} is not implemented yet; use 'torch'")
+    from rollout_service.torch_engine import TorchEngine
+
+    torch.set_num_threads(cfg.torch_threads)
+    model_dir = resolve_model_dir(config.model.name, config.model.cache_dir)
+    tok = load_tokenizer(model_dir)
+    return TorchEngine(load_model(model_dir, cfg.dtype), tok, seed=cfg.seed), tok
+
+
+class WeightWatcher:
+    """Keeps the newest announced WeightUpdate (highest version) from flywheel.weights."""
+
+    def __init__(self) -> None:
+        self.newest: WeightUpdate | None = None
+        self.changed = asyncio.Event()
+
+    def offer(self, update: WeightUpdate | None) -> None:
+        if update is not None and (self.newest is None or update.version > self.newest.version):
+            self.newest = update
+            self.changed.set()
+
+    async def follow(self, consumer, stop: asyncio.Event) -> None:
+        """Read every weight record (no group, all partitions, from earliest) until ``stop``."""
+        while not stop.is_set():
+            batch = await consumer.getmany(timeout_ms=200)
+            for msgs in batch.values():
+                for msg in msgs:
+                    try:
+                        self.offer(decode(msg.value, WeightUpdate))
+                    except DecodeError as e:
+                        log.warning("ignoring malformed weight record at offset %d: %s", msg.offset, e.reason)
+
+
+async def apply_newest(engine: Engine, watcher: WeightWatcher) -> None:
+    """Load the newest announced version if it is newer than the engine's (in a worker thread)."""
+    upd = watcher.newest
+    if upd is not None and upd.version > engine.policy_version:
+        t0 = time.perf_counter()
+        try:
+            await asyncio.to_thread(engine.update_weights, upd)
+            log.info("loaded policy version %d in %.2f s", upd.version, time.perf_counter() - t0)
+        except (FileNotFoundError, ValueError) as e:
+            log.error("cannot load policy version %d: %s", upd.version, e)
+
+
+def to_trajectories(req: RolloutRequest, prompt_ids: list[int], samples, tokenizer, timings) -> list[Trajectory]:
+    """One Trajectory per sample of ``req``."""
+    out = []
+    for i, s in enumerate(samples):
+        out.append(Trajectory(
+            trajectory_id=f"{req.group_id}:{req.attempt}:{i}", group_id=req.group_id, sample_index=i,
+            group_size=req.n, task=req.task, purpose=req.purpose, attempt=req.attempt, eval_round=req.eval_round,
+            prompt_ids=prompt_ids, completion_ids=s.completion_ids, completion_logprobs=s.logprobs,
+            loss_mask=[1] * len(s.completion_ids),
+            completion_text=tokenizer.decode(s.completion_ids, skip_special_tokens=True),
+            finish_reason=s.finish_reason, error=s.error, policy_versions=s.versions, timings=timings,
+        ))
+    return out
+
+
+def prompt_messages(req: RolloutRequest, system_prompt: str | None) -> list[dict[str, str]]:
+    msgs = [m.model_dump() for m in req.task.prompt]
+    if system_prompt and msgs[0]["role"] != "system":
+        msgs.insert(0, {"role": "system", "content": system_prompt})
+    return msgs
+
+
+async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None:
+    """Run the rollout service until ``stop`` is set (SIGTERM/SIGINT set it when ``stop`` is None)."""
+    setup_logging("rollout", config.run.log_level, config.run.path("logs"))
+    setup_tracing("rollout")
+    if stop is None:
+        stop = asyncio.Event()
+        kafka.install_stop_signals(stop)
+    cfg = config.rollout
+    engine, tok = await asyncio.to_thread(build_engine, config)
+    watcher = WeightWatcher()
+    watcher.offer(CheckpointStore(config.run.path(config.run.checkpoint_dir)).latest())
+    await kafka.ensure_topics(config.kafka)
+    producer = kafka.make_producer(config.kafka, "rollout")
+    requests = kafka.make_consumer(config.kafka, topics.ROLLOUT_REQUESTS, group_id="rollout", client_id="rollout")
+    weights = kafka.make_consumer(config.kafka, topics.WEIGHTS, group_id=None, client_id="rollout-weights")
+    await producer.start()
+    await requests.start()
+    await weights.start()
+    follower = asyncio.create_task(watcher.follow(weights, stop))
+    stats = {"rollout/samples": 0.0, "rollout/tokens": 0.0, "rollout/generate_s": 0.0}
+    last_metrics = time.monotonic()
+    try:
+        while not stop.is_set():
+            batch = await requests.getmany(timeout_ms=200, max_records=cfg.max_batch_requests)
+            reqs: list[RolloutRequest] = []
+            for msgs in batch.values():
+                for msg in msgs:
+                    r = await kafka.decode_or_dead_letter(producer, msg, RolloutRequest, "rollout")
+                    if r is not None:
+                        reqs.append(r)
+            await apply_newest(engine, watcher)
+            if reqs:
+                await _wait_for_version(engine, watcher, max(r.min_policy_version for r in reqs), stop, cfg.weight_poll_s)
+                if stop.is_set():
+                    break  # uncommitted: another replica (or this one after restart) takes them
+                await _generate_and_send(config, engine, tok, reqs, producer, stats)
+            await kafka.commit_batch(requests, batch)
+            if time.monotonic() - last_metrics > 10 and stats["rollout/samples"]:
+                vals = dict(stats, **{"rollout/tokens_per_s": stats["rollout/tokens"] / max(stats["rollout/generate_s"], 1e-9),
+                                      "rollout/policy_version": float(engine.policy_version)})
+                await kafka.send(producer, topics.METRICS, Metrics(source="rollout", values=vals), "rollout")
+                last_metrics = time.monotonic()
+    except asyncio.CancelledError:
+        raise
+    finally:
+        stop.set()
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
+        for c in (requests, weights, producer):
+            try:
+                await asyncio.wait_for(c.stop(), 10)
+            except Exception:  # noqa: BLE001 - best effort
+                log.exception("error closing %s", c)
+        engine.close()
+
+
+async def _wait_for_version(engine: Engine, watcher: WeightWatcher, version: int, stop: asyncio.Event,
+                            poll_s: float) -> None:
+    while engine.policy_version < version and not stop.is_set():
+        log.info("waiting for policy version %d (have %d)", version, engine.policy_version)
+        watcher.changed.clear()
+        try:
+            await asyncio.wait_for(watcher.changed.wait(), poll_s * 10)
+        except asyncio.TimeoutError:
+            pass
+        await apply_newest(engine, watcher)
+
+
+async def _generate_and_send(config, engine: Engine, tok, reqs: list[RolloutRequest], producer, stats) -> None:
+    picked = time.time()
+    prompts = [encode_chat(tok, prompt_messages(r, config.model.system_prompt)) for r in reqs]
+    gens = [GenerationRequest(p, r.n, r.sampling) for p, r in zip(prompts, reqs)]
+    t0 = time.perf_counter()
+    results = await asyncio.to_thread(engine.generate, gens)
+    gen_s = time.perf_counter() - t0
+    futures = []
+    for r, p, samples in zip(reqs, prompts, results):
+        timings = {"queue": max(0.0, picked - r.issued_at), "generate": gen_s}
+        for tr in to_trajectories(r, p, samples, tok, timings):
+            futures.append(await kafka.send(producer, topics.TRAJECTORIES, tr, r.group_id))
+            stats["rollout/tokens"] += len(tr.completion_ids)
+            stats["rollout/samples"] += 1
+    await asyncio.gather(*futures)
+    stats["rollout/generate_s"] += gen_s
+    log.info("generated %d requests (%d samples) at policy version %d in %.2f s", len(reqs),
+             sum(r.n for r in reqs), engine.policy_version, gen_s)

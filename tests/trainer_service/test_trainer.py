@@ -1,0 +1,119 @@
+import pytest
+import torch
+
+from shared.model import build_tiny_model, load_model
+from shared.schemas import Reward, ScoredTrajectory, Task, Trajectory
+from trainer_service.config import TrainerConfig
+from trainer_service.groups import GroupBuffer
+from trainer_service.trainer import PolicyTrainer, collate, completion_logprobs
+
+TASK = Task(task_id="t", domain="toy", prompt=[{"role": "user", "content": "q"}],
+            verifier={"kind": "regex", "pattern": "^a"})
+
+
+def scored(gid, i, size=4, reward=1.0, version=0, comp=(5, 6, 7), lps=None, finish="stop", infra=False, mask=None):
+    comp = list(comp)
+    tr = Trajectory(trajectory_id=f"{gid}:1:{i}", group_id=gid, sample_index=i, group_size=size, task=TASK,
+                    prompt_ids=[1, 2, 3 + i % 2], completion_ids=comp,
+                    completion_logprobs=list(lps) if lps else [-1.0] * len(comp),
+                    loss_mask=list(mask) if mask else [1] * len(comp), completion_text="x", finish_reason=finish,
+                    policy_versions=[{"version": version, "start": 0, "end": len(comp)}])
+    return ScoredTrajectory(trajectory=tr, reward=Reward(total=reward, infra_error=infra))
+
+
+def fill(buf, gid, rewards, **kw):
+    for i, r in enumerate(rewards):
+        buf.add(scored(gid, i, size=len(rewards), reward=r, **kw), ("s", 0), hash((gid, i)) % 10_000)
+
+
+def test_group_buffer_skips_redelivered_and_already_trained_samples():
+    buf = GroupBuffer(max_staleness=1)
+    fill(buf, "g1", [1, 0, 1, 0])
+    fill(buf, "g1", [1, 0, 1, 0])  # redelivery of the same records
+    assert len(buf.ready) == 1 and buf.counters["duplicates_skipped"] == 4
+    groups = buf.take(1)
+    buf.mark_trained(groups)
+    fill(buf, "g1", [1, 0, 1, 0])  # redelivery after training (e.g. after a restart)
+    assert buf.ready == [] and buf.partial == {}
+    restarted = GroupBuffer(max_staleness=1, done_groups=buf.done_groups)
+    fill(restarted, "g1", [1, 0, 1, 0])
+    assert restarted.ready == []
+
+
+def test_failed_sample_drops_group_instead_of_zero_reward():
+    buf = GroupBuffer(max_staleness=1)
+    buf.add(scored("g", 0, size=2, reward=1.0), ("s", 0), 0)
+    buf.add(scored("g", 1, size=2, reward=0.0, comp=(), finish="error"), ("s", 0), 1)
+    assert buf.ready == [] and buf.counters["dropped_failed"] == 1
+    buf2 = GroupBuffer(max_staleness=1)
+    buf2.add(scored("h", 0, size=2, reward=0.0, infra=True), ("s", 0), 0)
+    buf2.add(scored("h", 1, size=2), ("s", 0), 1)
+    assert buf2.ready == [] and buf2.counters["dropped_failed"] == 1
+
+
+def test_staleness_bound_keeps_eta_and_drops_eta_plus_one():
+    buf = GroupBuffer(max_staleness=1)
+    fill(buf, "fresh", [1, 0], version=4)
+    fill(buf, "stale", [1, 0], version=3)
+    assert buf.drop_stale(version=5) == 1
+    assert [g.group_id for g in buf.ready] == ["fresh"] and buf.counters["dropped_stale"] == 1
+
+
+def test_commit_offset_is_oldest_unfinished_record():
+    buf = GroupBuffer(max_staleness=1)
+    buf.add(scored("a", 0, size=2), ("s", 0), 10)
+    buf.add(scored("b", 0, size=2), ("s", 0), 11)
+    buf.add(scored("b", 1, size=2), ("s", 0), 12)
+    assert buf.commit_offsets() == {("s", 0): 10}
+    buf.mark_trained(buf.take(1))  # b
+    assert buf.commit_offsets() == {("s", 0): 10}
+    buf.add(scored("a", 1, size=2), ("s", 0), 13)
+    buf.mark_trained(buf.take(1))
+    assert buf.commit_offsets() == {("s", 0): 14}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
+
+
+def _grads(tiny, micro, groups):
+    torch.manual_seed(0)
+    model = load_model(tiny).double()
+    tr = PolicyTrainer(model, TrainerConfig(micro_batch_size=micro, max_grad_norm=1e9, lr=1e-3), pad_id=0)
+    tr.optimizer.step = lambda: None  # keep weights; inspect gradients
+    tr.train_step(groups)
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def test_gradient_does_not_depend_on_micro_batch_split(tiny):
+    buf = GroupBuffer(1)
+    fill(buf, "g1", [1, 0, 0, 1], comp=(10, 11, 12, 13))
+    fill(buf, "g2", [0.5, 0.0, 1.0, 0.2], comp=(20, 21))
+    groups = buf.take(2)
+    g1, g2, g4 = (_grads(tiny, m, groups) for m in (8, 4, 2))
+    torch.testing.assert_close(g1, g2, rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(g1, g4, rtol=1e-6, atol=1e-12)
+
+
+def test_train_step_increments_version_and_all_equal_rewards_give_zero_gradient(tiny):
+    model = load_model(tiny)
+    tr = PolicyTrainer(model, TrainerConfig(), pad_id=0)
+    buf = GroupBuffer(1)
+    fill(buf, "g", [1, 1, 1, 1])
+    m = tr.train_step(buf.take(1))
+    assert tr.version == 1 and m["train/zero_variance_groups"] == 1.0
+    assert m["train/grad_norm"] == 0.0 and m["loss/pg"] == 0.0
+
+
+def test_trainer_logprobs_equal_a_plain_forward(tiny):
+    model = load_model(tiny)
+    rows = [scored("g", 0, comp=(5, 6, 7)), scored("g", 1, comp=(9,))]
+    b = collate(rows, pad_id=0)
+    with torch.no_grad():
+        lp = completion_logprobs(model, b)
+        for i, r in enumerate(rows):
+            ids = torch.tensor([r.trajectory.prompt_ids + r.trajectory.completion_ids])
+            logits = model(ids).logits[0, len(r.trajectory.prompt_ids) - 1:-1]
+            ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r.trajectory.completion_ids)[:, None])[:, 0]
+            torch.testing.assert_close(lp[i, :len(ref)], ref, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,125 @@
+"""Assembling complete groups from flywheel.scored, with staleness control and commit offsets.
+
+Pure bookkeeping, no Kafka or torch: the service feeds records in and asks which groups are ready
+and which offset per partition is safe to commit (the oldest record not yet trained or dropped,
+DESIGN.md "Delivery semantics").
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from shared.schemas import ScoredTrajectory
+
+Partition = tuple[str, int]  # (topic, partition)
+
+
+@dataclass
+class Group:
+    """The samples of one group seen so far, keyed by sample index."""
+
+    group_id: str
+    size: int
+    samples: dict[int, ScoredTrajectory] = field(default_factory=dict)
+    offsets: list[tuple[Partition, int]] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.samples) >= self.size
+
+    def rows(self) -> list[ScoredTrajectory]:
+        return [self.samples[i] for i in sorted(self.samples)]
+
+    @property
+    def behaviour_version(self) -> int:
+        """Oldest policy version that produced any token of the group."""
+        return min(s.trajectory.behaviour_version for s in self.samples.values())
+
+
+class GroupBuffer:
+    """Holds partial and ready groups between optimizer steps.
+
+    Args:
+        max_staleness: η; a complete group whose oldest token came from version v_b is dropped
+            (and counted) once the trainer's version v has v − v_b > η.
+        done_groups: group ids already trained or dropped (restored from a checkpoint); their
+            records are skipped, so a redelivery never trains a sample twice.
+    """
+
+    def __init__(self, max_staleness: int, done_groups: set[str] | None = None) -> None:
+        self.max_staleness = max_staleness
+        self.done_groups: set[str] = set(done_groups or ())
+        self.partial: dict[str, Group] = {}
+        self.ready: list[Group] = []
+        self.counters: Counter[str] = Counter()
+        self._pending: dict[Partition, dict[int, str]] = {}  # offset -> group_id, per partition
+        self._next: dict[Partition, int] = {}  # highest offset seen + 1
+
+    # ------------------------------------------------------------------ intake
+    def add(self, scored: ScoredTrajectory | None, tp: Partition, offset: int) -> None:
+        """Take one record (``None`` for one that needs no training: malformed, eval...)."""
+        self._next[tp] = max(self._next.get(tp, 0), offset + 1)
+        if scored is None or scored.trajectory.purpose != "train":
+            return
+        tr = scored.trajectory
+        gid = tr.group_id
+        if gid in self.done_groups:
+            self.counters["duplicates_skipped"] += 1
+            return
+        group = self.partial.get(gid)
+        if group is None:
+            if any(g.group_id == gid for g in self.ready):
+                self.counters["duplicates_skipped"] += 1
+                return
+            group = self.partial[gid] = Group(gid, tr.group_size)
+        if tr.sample_index in group.samples:
+            self.counters["duplicates_skipped"] += 1
+            return
+        group.samples[tr.sample_index] = scored
+        group.offsets.append((tp, offset))
+        self._pending.setdefault(tp, {})[offset] = gid
+        if scored.reward.infra_error or tr.finish_reason in ("error", "abort"):
+            # a failed sample never trains as a zero reward: drop the group, the scheduler re-issues it
+            self._finish(self.partial.pop(gid), "dropped_failed")
+            return
+        if group.complete:
+            self.ready.append(self.partial.pop(gid))
+
+    # ------------------------------------------------------------------ staleness and batching
+    def drop_stale(self, version: int) -> int:
+        """Drop ready groups with ``version − v_behaviour > η``; returns how many were dropped."""
+        keep, dropped = [], 0
+        for g in self.ready:
+            if version - g.behaviour_version > self.max_staleness:
+                self._finish(g, "dropped_stale")
+                dropped += 1
+            else:
+                keep.append(g)
+        self.ready = keep
+        return dropped
+
+    def take(self, n: int) -> list[Group]:
+        """Remove and return the ``n`` oldest ready groups (fewer if not enough)."""
+        out, self.ready = self.ready[:n], self.ready[n:]
+        return out
+
+    def mark_trained(self, groups: list[Group]) -> None:
+        """Record ``groups`` as trained: their offsets are released for committing."""
+        for g in groups:
+            self._finish(g, "trained_groups")
+
+    def _finish(self, g: Group, counter: str) -> None:
+        self.counters[counter] += 1
+        self.done_groups.add(g.group_id)
+        for tp, off in g.offsets:
+            self._pending.get(tp, {}).pop(off, None)
+
+    # ------------------------------------------------------------------ commits
+    def commit_offsets(self) -> dict[Partition, int]:
+        """Per partition, the offset to commit: the oldest record still held, else the next unread."""
+        out = {}
+        for tp, nxt in self._next.items():
+            pend = self._pending.get(tp)
+            out[tp] = min(pend) if pend else nxt
+        return out

@@ -1,0 +1,119 @@
+"""Trainer service: consume scored trajectories, step on complete groups, publish weight versions.
+
+Loop: ``getmany`` → buffer records into groups → (drop stale) → when ``batch_groups`` groups are
+ready, one optimizer step in a worker thread → write the version to the checkpoint store →
+announce it on flywheel.weights and the step's metrics on flywheel.metrics → commit, per
+partition, the oldest offset not yet trained or dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+from aiokafka import TopicPartition
+
+from shared import kafka, topics
+from shared.checkpoint import CheckpointStore, load_weights
+from shared.config import FlywheelConfig
+from shared.model import load_model, load_tokenizer, resolve_model_dir
+from shared.schemas import Metrics, ScoredTrajectory
+from shared.telemetry import setup_logging, setup_tracing
+from trainer_service.groups import GroupBuffer
+from trainer_service.trainer import PolicyTrainer
+
+log = logging.getLogger("trainer")
+
+
+def build_trainer(config: FlywheelConfig) -> tuple[PolicyTrainer, CheckpointStore, set[str]]:
+    """Model, optimizer and checkpoint store, resumed from the newest checkpoint when there is one."""
+    cfg = config.trainer
+    torch.set_num_threads(cfg.torch_threads)
+    torch.manual_seed(cfg.seed)
+    model_dir = resolve_model_dir(config.model.name, config.model.cache_dir)
+    tok = load_tokenizer(model_dir)
+    trainer = PolicyTrainer(load_model(model_dir, cfg.dtype), cfg, tok.pad_token_id)
+    store = CheckpointStore(config.run.path(config.run.checkpoint_dir), cfg.keep_checkpoints)
+    done: set[str] = set()
+    latest = store.latest()
+    if latest is not None:
+        load_weights(trainer.model, latest)
+        state = store.load_trainer_state(latest.version)
+        if state is None:
+            raise RuntimeError(f"checkpoint v{latest.version} has weights but no trainer state")
+        done = trainer.load_state_dict(state)
+        log.info("resumed at policy version %d (step %d, %d groups done)", trainer.version, trainer.step, len(done))
+    return trainer, store, done
+
+
+async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None:
+    """Run the trainer until ``stop`` is set (SIGTERM/SIGINT set it when ``stop`` is None)."""
+    setup_logging("trainer", config.run.log_level, config.run.path("logs"))
+    setup_tracing("trainer")
+    if stop is None:
+        stop = asyncio.Event()
+        kafka.install_stop_signals(stop)
+    cfg = config.trainer
+    trainer, store, done = await asyncio.to_thread(build_trainer, config)
+    buffer = GroupBuffer(cfg.max_staleness, done)
+    await kafka.ensure_topics(config.kafka)
+    producer = kafka.make_producer(config.kafka, "trainer")
+    consumer = kafka.make_consumer(config.kafka, topics.SCORED, group_id="trainer", client_id="trainer")
+    await producer.start()
+    await consumer.start()
+    try:
+        latest = store.latest()
+        if latest is not None:  # re-announce: the broker may have lost the record
+            await (await kafka.send(producer, topics.WEIGHTS, latest, latest.model))
+        last_step_end = time.perf_counter()
+        while not stop.is_set():
+            batch = await consumer.getmany(timeout_ms=200, max_records=1024)
+            for tp, msgs in batch.items():
+                for msg in msgs:
+                    scored = await kafka.decode_or_dead_letter(producer, msg, ScoredTrajectory, "trainer")
+                    buffer.add(scored, (tp.topic, tp.partition), msg.offset)
+            if trainer.version < cfg.max_steps:
+                buffer.drop_stale(trainer.version)
+                if len(buffer.ready) >= cfg.batch_groups:
+                    wait_s = time.perf_counter() - last_step_end
+                    await _step(config, trainer, store, buffer, producer, wait_s)
+                    last_step_end = time.perf_counter()
+            offsets = {TopicPartition(t, p): o for (t, p), o in buffer.commit_offsets().items()}
+            if offsets:
+                await consumer.commit(offsets)
+    except asyncio.CancelledError:
+        raise
+    finally:
+        await asyncio.wait_for(_close(consumer, producer), timeout=15)
+        log.info("trainer stopped at policy version %d", trainer.version)
+
+
+async def _step(config: FlywheelConfig, trainer: PolicyTrainer, store: CheckpointStore, buffer: GroupBuffer,
+                producer, wait_s: float) -> None:
+    cfg = config.trainer
+    groups = buffer.take(cfg.batch_groups)
+    metrics = await asyncio.to_thread(trainer.train_step, groups)
+    buffer.mark_trained(groups)
+    t0 = time.perf_counter()
+    update = await asyncio.to_thread(store.save, trainer.model, config.model.name, trainer.version, trainer.step,
+                                     trainer.state_dict(buffer.done_groups))
+    metrics["time/checkpoint_s"] = time.perf_counter() - t0
+    metrics["time/wait_for_data_s"] = wait_s
+    for k in ("dropped_stale", "dropped_failed", "duplicates_skipped", "trained_groups"):
+        metrics[f"train/{k}_total"] = float(buffer.counters[k])
+    await (await kafka.send(producer, topics.WEIGHTS, update, update.model))
+    rec = Metrics(source="trainer", step=trainer.step, policy_version=trainer.version, values=metrics)
+    await (await kafka.send(producer, topics.METRICS, rec, "trainer"))
+    log.info("step %d -> policy version %d: reward %.3f loss %.4f (%.1f s train, %.1f s save, %.1f s waited)",
+             trainer.step, trainer.version, metrics["train/reward_mean"], metrics["loss/pg"],
+             metrics["time/train_step_s"], metrics["time/checkpoint_s"], wait_s)
+
+
+async def _close(*clients) -> None:
+    for c in clients:
+        try:
+            await c.stop()
+        except Exception:  # noqa: BLE001 - best effort during shutdown
+            log.exception("error while closing %s", c)

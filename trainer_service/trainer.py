@@ -1,0 +1,180 @@
+"""The policy trainer: one GRPO optimizer step over complete groups.
+
+A step reads top to bottom in named phases: collate → advantages → micro-batched forward and
+backward (gradients accumulate, normalised by the batch's token count) → clip → AdamW step.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shared.schemas import ScoredTrajectory
+from trainer_service.config import TrainerConfig
+from trainer_service.groups import Group
+from trainer_service.losses.grpo import GRPOLossConfig, group_advantages, grpo_loss
+
+
+@dataclass
+class Batch:
+    """Padded tensors of a list of trajectories.
+
+    ``input_ids``: ``[B, P + T]`` long, prompts left-padded to P, completions right-padded to T.
+    ``attention_mask``: ``[B, P + T]`` long. ``position_ids``: ``[B, P + T]`` long.
+    ``completion_ids``, ``behaviour_logprobs``, ``loss_mask``: ``[B, T]`` (long, float, float).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    completion_ids: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    loss_mask: torch.Tensor
+    prompt_width: int
+
+
+def collate(rows: list[ScoredTrajectory], pad_id: int, dtype: torch.dtype = torch.float32) -> Batch:
+    """Pad ``rows`` into a :class:`Batch` (completion tokens all start at column ``P``)."""
+    P = max(len(r.trajectory.prompt_ids) for r in rows)
+    T = max(1, max(len(r.trajectory.completion_ids) for r in rows))
+    B = len(rows)
+    ids = torch.full((B, P + T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, P + T), dtype=torch.long)
+    comp = torch.full((B, T), pad_id, dtype=torch.long)
+    blp = torch.zeros((B, T), dtype=dtype)
+    mask = torch.zeros((B, T), dtype=dtype)
+    for i, r in enumerate(rows):
+        tr = r.trajectory
+        p, c = len(tr.prompt_ids), len(tr.completion_ids)
+        ids[i, P - p:P] = torch.tensor(tr.prompt_ids)
+        attn[i, P - p:P + c] = 1
+        if c:
+            ids[i, P:P + c] = torch.tensor(tr.completion_ids)
+            comp[i, :c] = torch.tensor(tr.completion_ids)
+            blp[i, :c] = torch.tensor(tr.completion_logprobs, dtype=dtype)
+            mask[i, :c] = torch.tensor(tr.loss_mask, dtype=dtype)
+    pos = (attn.cumsum(1) - 1).clamp(min=0)
+    return Batch(ids, attn, pos, comp, blp, mask, P)
+
+
+def completion_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """log π_θ of each completion token: ``[B, T]`` float.
+
+    Only completion positions go through the output layer (prompt positions are never scored).
+    """
+    out = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                      position_ids=batch.position_ids)
+    P, T = batch.prompt_width, batch.completion_ids.shape[1]
+    hidden = out.last_hidden_state[:, P - 1:P - 1 + T]
+    logits = model.lm_head(hidden).float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+
+
+class PolicyTrainer:
+    """Model + AdamW + the counters that define the policy version.
+
+    ``version`` is the number of optimizer steps published so far (0 = the base model).
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, pad_id: int) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.pad_id = pad_id
+        self.loss_cfg = GRPOLossConfig(clip_eps=cfg.clip_eps, adv_eps=cfg.adv_eps)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                           weight_decay=cfg.weight_decay)
+        self.step = 0
+        self.version = 0
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self, groups: list[Group]) -> dict[str, float]:
+        """One optimizer step on complete groups; returns metrics (names prefixed by area).
+
+        Raises:
+            ValueError: ``groups`` is empty.
+        """
+        if not groups:
+            raise ValueError("train_step needs at least one group")
+        t0 = time.perf_counter()
+        rows, advantages, zero_var = self._advantages(groups)
+        normalizer = max(1.0, float(sum(sum(r.trajectory.loss_mask) for r in rows)))
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        mb = self.cfg.micro_batch_size
+        for i in range(0, len(rows), mb):
+            batch = collate(rows[i:i + mb], self.pad_id)
+            logprobs = completion_logprobs(self.model, batch)
+            loss, m = grpo_loss(logprobs, batch.behaviour_logprobs, advantages[i:i + mb], batch.loss_mask,
+                                normalizer, self.loss_cfg)
+            loss.backward()
+            sums["loss/pg"] = sums.get("loss/pg", 0.0) + float(loss.detach())
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + v
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        self.optimizer.step()
+        self.model.eval()
+        self.step += 1
+        self.version += 1
+        rewards = [r.reward.total for r in rows]
+        lengths = [len(r.trajectory.completion_ids) for r in rows]
+        staleness = [self.version - 1 - r.trajectory.behaviour_version for r in rows]
+        elapsed = time.perf_counter() - t0
+        return {
+            "loss/pg": sums["loss/pg"],
+            "loss/clip_frac": sums["loss/clip_frac_sum"] / normalizer,
+            "loss/kl_behaviour": sums["loss/kl_behaviour_sum"] / normalizer,
+            "loss/ratio_mean": sums["loss/ratio_sum"] / normalizer,
+            "train/grad_norm": float(grad_norm),
+            "train/reward_mean": float(np.mean(rewards)),
+            "train/pass_rate": float(np.mean([x >= 1.0 for x in rewards])),
+            "train/adv_mean": float(advantages.mean()),
+            "train/adv_std": float(advantages.std()) if len(advantages) > 1 else 0.0,
+            "train/response_len": float(np.mean(lengths)),
+            "train/truncated_frac": float(np.mean([r.trajectory.finish_reason == "length" for r in rows])),
+            "train/staleness_mean": float(np.mean(staleness)),
+            "train/staleness_max": float(max(staleness)),
+            "train/zero_variance_groups": float(zero_var),
+            "train/groups": float(len(groups)),
+            "train/samples": float(len(rows)),
+            "train/tokens": normalizer,
+            "train/tokens_per_s": normalizer / elapsed,
+            "time/train_step_s": elapsed,
+        }
+
+    def _advantages(self, groups: list[Group]) -> tuple[list[ScoredTrajectory], torch.Tensor, int]:
+        rows: list[ScoredTrajectory] = []
+        advs: list[torch.Tensor] = []
+        zero_var = 0
+        for g in groups:
+            grow = g.rows()
+            r = torch.tensor([[s.reward.total for s in grow]], dtype=torch.float64)
+            a = group_advantages(r, self.cfg.adv_eps)[0]
+            zero_var += int(bool((a == 0).all()))
+            rows.extend(grow)
+            advs.append(a)
+        return rows, torch.cat(advs).float(), zero_var
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self, done_groups: set[str]) -> dict:
+        """Everything except the weights needed to resume exactly (optimizer, RNG, counters, ids)."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "version": self.version,
+            "done_groups": sorted(done_groups),
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+        }
+
+    def load_state_dict(self, state: dict) -> set[str]:
+        """Restore from :meth:`state_dict`; returns the ids of groups already trained or dropped."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.version = state["step"], state["version"]
+        torch.set_rng_state(state["rng"]["torch"])
+        np.random.set_state(state["rng"]["numpy"])
+        random.setstate(state["rng"]["python"])
+        return set(state["done_groups"])
