@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from rollout_service.config import RolloutConfig
 from sandbox_service.config import SandboxConfig
 from scheduler_service.config import SchedulerConfig
+from shared.tasks import TaskSourceConfig
 from trainer_service.config import TrainerConfig
 from verifier_service.config import VerifierConfig
 
@@ -90,6 +91,8 @@ class FlywheelConfig(BaseSettings):
     verifier: VerifierConfig = VerifierConfig()
     trainer: TrainerConfig = TrainerConfig()
     sandbox: SandboxConfig = SandboxConfig()
+    tasks: TaskSourceConfig = TaskSourceConfig()
+    """What ``flywheel run`` submits (read by the CLI only)."""
 
     @classmethod
     def settings_customise_sources(

@@ -1,0 +1,290 @@
+"""``flywheel``: run a training job end to end, or start, feed, inspect and stop a local system.
+
+    flywheel run examples/arithmetic.yaml --report runs/arithmetic.json
+    flywheel up examples/arithmetic.yaml        # serve until Ctrl-C or `flywheel down`
+    flywheel submit tasks.jsonl                 # one task object per line (see docs/tasks.md)
+    flywheel status
+    flywheel down
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import httpx
+import orjson
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from shared.config import load_config
+from shared.launcher import LocalSystem, overrides_to_env
+from shared.model import resolve_model_dir
+from shared.report import write_report
+from shared.tasks import make_tasks
+
+app = typer.Typer(add_completion=False, help="Flywheel: asynchronous RL post-training over Kafka.")
+console = Console()
+log = logging.getLogger("flywheel")
+
+ConfigArg = Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="System config (YAML).")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override, e.g. trainer.max_steps=5 (repeatable).")]
+RunDirOpt = Annotated[Optional[Path], typer.Option(help="Run directory (default: the config's run.dir).")]
+
+
+def _load(config: Path, sets: list[str] | None):
+    env = overrides_to_env(sets or [])
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return load_config(config), env
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _pointer(base: Path) -> Path:
+    return base / "current.json"
+
+
+def _start(config: Path, sets: list[str] | None, run_dir: Path | None, fresh: bool) -> tuple[LocalSystem, object]:
+    cfg, env = _load(config, sets)
+    base = Path(os.path.expanduser(cfg.run.dir))
+    if run_dir is None:
+        run_dir = base / (f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}" if fresh else "system")
+    with console.status("preparing the model (converted once, then cached)"):
+        resolve_model_dir(cfg.model.name, cfg.model.cache_dir)
+    with console.status("starting the broker and five services"):
+        system = LocalSystem.start(config, run_dir, env)
+    base.mkdir(parents=True, exist_ok=True)
+    _pointer(base).write_bytes((system.run_dir / "flywheel.json").read_bytes())
+    console.print(f"[green]system up[/]: scheduler {system.scheduler_url} (docs at /docs), "
+                  f"broker {system.env['FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS']}, run dir {system.run_dir}")
+    return system, cfg
+
+
+def submit_tasks(url: str, tasks: list[dict], batch: int = 1000) -> list[str]:
+    """POST tasks to the scheduler in batches; returns their ids.
+
+    Raises:
+        httpx.HTTPStatusError: the scheduler refused a batch (the message holds its reply).
+    """
+    ids: list[str] = []
+    for i in range(0, len(tasks), batch):
+        r = httpx.post(f"{url}/v1/tasks", json={"tasks": tasks[i:i + batch]}, timeout=120)
+        if r.status_code != 202:
+            raise httpx.HTTPStatusError(f"POST /v1/tasks -> {r.status_code}: {r.text[:2000]}", request=r.request,
+                                        response=r)
+        ids.extend(r.json()["task_ids"])
+    return ids
+
+
+def _wait_eval(system: LocalSystem, round_id: int, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for note in system.check():
+            console.print(f"[yellow]{note}[/]")
+        ev = httpx.get(f"{system.scheduler_url}/v1/evals/{round_id}", timeout=10).json()
+        if ev.get("done"):
+            return ev
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"eval round {round_id} not done after {timeout_s:.0f} s: {ev}")
+        time.sleep(1.0)
+
+
+@app.command()
+def run(
+    config: ConfigArg,
+    report: Annotated[Optional[Path], typer.Option(help="Write a JSON report here (and a PNG plot beside it).")] = None,
+    set_: SetOpt = None,
+    run_dir: RunDirOpt = None,
+    timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 3600.0,
+) -> None:
+    """Train end to end: start everything, submit the config's tasks, train, evaluate before/after, stop."""
+    logging.basicConfig(level=logging.WARNING)
+    t0 = time.monotonic()
+    system, cfg = _start(config, set_, run_dir, fresh=True)
+    try:
+        result = _train(system, cfg, t0, timeout)
+    finally:
+        with console.status("stopping"):
+            system.stop()
+    before, after = result["eval"]["before"], result["eval"]["after"]
+    console.print(f"held-out greedy accuracy: {_fmt(before)} -> {_fmt(after)} in {result['steps']} steps, "
+                  f"{result['wall_seconds']:.0f} s")
+    if report:
+        png = write_report(report, result)
+        console.print(f"report: {report} (plot {png})")
+
+
+def _fmt(ev: dict | None) -> str:
+    return "n/a" if not ev or ev.get("accuracy") is None else f"{ev['accuracy']:.3f} (n={ev['n']})"
+
+
+def _train(system: LocalSystem, cfg, t0: float, timeout_s: float) -> dict:
+    url = system.scheduler_url
+    tasks = make_tasks(cfg.tasks)
+    submit_tasks(url, tasks)
+    n_eval = sum(t["split"] == "eval" for t in tasks)
+    max_steps = cfg.trainer.max_steps
+    deadline = t0 + timeout_s
+    eval_rows: dict[int, dict] = {}
+    cols = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn()]
+    with Progress(*cols, console=console, transient=False) as progress:
+        bar = progress.add_task("steps", total=max_steps, info="waiting for the first eval and the first batch")
+        while True:
+            for note in system.check():
+                progress.console.print(f"[yellow]{note}[/]")
+            st = httpx.get(f"{url}/v1/status", timeout=10).json()
+            for ev in st.get("evals", []):
+                if ev.get("done") and ev["eval_round"] not in eval_rows:
+                    eval_rows[ev["eval_round"]] = ev
+                    progress.console.print(f"eval round {ev['eval_round']} at policy version "
+                                           f"{ev.get('policy_versions')}: accuracy {ev['accuracy']:.3f} (n={ev['n']})")
+            tr = st.get("trainer") or {}
+            last_eval = max(eval_rows.values(), key=lambda e: e["eval_round"])["accuracy"] if eval_rows else None
+            info = (f"v{st['policy_version']} reward {tr.get('train/reward_mean', float('nan')):.2f} "
+                    f"pass {st.get('train_reward_mean') or 0:.2f} stale {st['staleness']['mean'] or 0:.2f} "
+                    f"eval {'-' if last_eval is None else f'{last_eval:.2f}'} in-flight {st['in_flight_groups']}")
+            progress.update(bar, completed=min(st["policy_version"], max_steps), info=info)
+            if st["policy_version"] >= max_steps:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"training did not reach {max_steps} steps in {timeout_s:.0f} s")
+            time.sleep(2.0)
+    before = next((e for e in sorted(eval_rows.values(), key=lambda e: e["eval_round"])), None)
+    after = None
+    if n_eval:
+        rid = httpx.post(f"{url}/v1/evals", json={"min_policy_version": max_steps}, timeout=10).json()["eval_round"]
+        with console.status(f"final held-out evaluation at policy version {max_steps}"):
+            after = _wait_eval(system, rid, max(60.0, deadline - time.monotonic()))
+    history = httpx.get(f"{url}/v1/metrics/history", timeout=10).json()
+    evals = httpx.get(f"{url}/v1/evals", timeout=10).json()
+    wall = time.monotonic() - t0
+
+    def ev(e):
+        return None if e is None else {"accuracy": e["accuracy"], "n": e["n"],
+                                        "policy_version": max(e.get("policy_versions") or [0])}
+
+    return {
+        "title": f"{cfg.tasks.dataset if cfg.tasks.kind == 'reasoning_gym' else cfg.tasks.kind}: "
+                 f"{cfg.trainer.batch_groups} groups x {cfg.tasks.samples_per_task} samples, eta={cfg.trainer.max_staleness}",
+        "eval": {"before": ev(before), "after": ev(after)},
+        "steps": max((h["step"] for h in history), default=0),
+        "wall_seconds": wall,
+        "history": [{"step": h["step"], "policy_version": h["policy_version"],
+                     "mean_reward": h["values"].get("train/reward_mean"), "time": h["time"], **h["values"]}
+                    for h in history],
+        "evals": [{"eval_round": e["eval_round"], "accuracy": e["accuracy"], "n": e["n"],
+                   "policy_version": max(e.get("policy_versions") or [0])} for e in evals if e.get("done")],
+        "config": cfg.model_dump(mode="json"),
+        "run_dir": str(system.run_dir),
+    }
+
+
+@app.command()
+def up(config: ConfigArg, set_: SetOpt = None, run_dir: RunDirOpt = None,
+       submit: Annotated[Optional[Path], typer.Option(help="Also submit this JSONL task file.")] = None) -> None:
+    """Start the broker and the five services and keep them running (supervised) until Ctrl-C or `flywheel down`."""
+    logging.basicConfig(level=logging.WARNING)
+    system, _ = _start(config, set_, run_dir, fresh=False)
+    stopping = {"flag": False}
+    signal.signal(signal.SIGTERM, lambda *_: stopping.update(flag=True))
+    try:
+        if submit:
+            ids = submit_tasks(system.scheduler_url, _read_jsonl(submit))
+            console.print(f"submitted {len(ids)} tasks")
+        while not stopping["flag"]:
+            for note in system.check():
+                console.print(f"[yellow]{note}[/]")
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        with console.status("stopping"):
+            system.stop()
+        console.print("system stopped")
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    out = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(orjson.loads(line))
+            except orjson.JSONDecodeError as e:
+                raise typer.BadParameter(f"{path}:{i}: not JSON: {e}") from None
+    return out
+
+
+def _state(run_dir: Path | None) -> dict:
+    p = (run_dir / "flywheel.json") if run_dir else _pointer(Path(os.path.expanduser(load_config().run.dir)))
+    if not p.exists():
+        console.print(f"no running system found ({p})")
+        raise typer.Exit(1)
+    return orjson.loads(p.read_bytes())
+
+
+@app.command("submit")
+def submit_cmd(file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="JSONL: one task per line.")],
+               url: Annotated[Optional[str], typer.Option(help="Scheduler URL (default: the running system's).")] = None,
+               run_dir: RunDirOpt = None) -> None:
+    """Post tasks from a JSONL file to a running system."""
+    url = url or _state(run_dir)["scheduler_url"]
+    try:
+        ids = submit_tasks(url, _read_jsonl(file))
+    except httpx.HTTPStatusError as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(1) from None
+    console.print(f"submitted {len(ids)} tasks")
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@app.command()
+def status(run_dir: RunDirOpt = None) -> None:
+    """Show the running system's processes and the scheduler's status."""
+    st = _state(run_dir)
+    for name, pid in {"supervisor": st["supervisor_pid"], "broker": st["broker_pid"], **st["services"]}.items():
+        console.print(f"{name:<11} pid {pid}: {'[green]running[/]' if _alive(pid) else '[red]gone[/]'}")
+    try:
+        console.print_json(httpx.get(f"{st['scheduler_url']}/v1/status", timeout=5).text)
+    except httpx.HTTPError as e:
+        console.print(f"[red]scheduler unreachable: {e}[/]")
+
+
+@app.command()
+def down(run_dir: RunDirOpt = None, timeout: float = 60.0) -> None:
+    """Stop the running system (signals its supervisor, which stops every process by pid)."""
+    st = _state(run_dir)
+    pid = st["supervisor_pid"]
+    if _alive(pid):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    for other in [st["broker_pid"], *st["services"].values()]:  # supervisor gone: clean up what is left
+        if _alive(other):
+            os.kill(other, signal.SIGTERM)
+    console.print("stopped")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,104 @@
+"""Task sources for the main job: reasoning-gym items as Flywheel tasks, split into train and held-out.
+
+Held-out items are disjoint from training items by normalised prompt text (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TaskSourceConfig(BaseModel):
+    """What ``flywheel run`` submits. Env names: ``FLYWHEEL_TASKS__<FIELD>``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["reasoning_gym", "toy_prefix", "none"] = "reasoning_gym"
+    """``reasoning_gym`` (a dataset with its scorer), ``toy_prefix`` (reward 1 when the completion starts
+    like ``toy_pattern``: a domain a tiny random model learns in seconds), or ``none``."""
+    dataset: str = "basic_arithmetic"
+    """reasoning-gym dataset name."""
+    dataset_config: dict[str, Any] = Field(default_factory=lambda: {
+        "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"]})
+    """Keyword arguments of the dataset's config (difficulty knobs)."""
+    train_size: int = Field(256, ge=1, le=1_000_000)
+    """Training tasks submitted."""
+    eval_size: int = Field(64, ge=0, le=100_000)
+    """Held-out tasks (greedy, one sample each)."""
+    samples_per_task: int = Field(8, ge=2, le=1024)
+    """K: samples per group."""
+    system_prompt: str | None = "Answer with only the final number."
+    """System message of every task."""
+    extract: Literal["last_number", "answer_tag", "boxed", "full"] = "last_number"
+    """Answer extraction of the reasoning_gym verifier."""
+    toy_pattern: str = "^[a-z]"
+    """Regex the completion must match in the ``toy_prefix`` domain (default: starts with a lowercase letter)."""
+    seed: int = 0
+    """Seed of the generator."""
+
+
+def _norm(text: str) -> str:
+    return re.sub(r"\s+", " ", text.strip().lower())
+
+
+def _task(task_id: str, domain: str, question: str, verifier: dict, cfg: TaskSourceConfig, split: str,
+          difficulty: float = 0.0, metadata: dict | None = None) -> dict:
+    prompt = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []) + [
+        {"role": "user", "content": question}]
+    return {"task_id": task_id, "domain": domain, "prompt": prompt, "verifier": verifier,
+            "samples_per_task": cfg.samples_per_task, "difficulty": difficulty, "split": split,
+            "metadata": metadata or {}}
+
+
+def make_tasks(cfg: TaskSourceConfig) -> list[dict]:
+    """Task bodies for ``POST /v1/tasks``: ``eval_size`` held-out items, then ``train_size`` training ones.
+
+    Raises:
+        ValueError: the generator cannot produce enough distinct items.
+    """
+    if cfg.kind == "none":
+        return []
+    if cfg.kind == "toy_prefix":
+        return _toy_tasks(cfg)
+    import reasoning_gym
+
+    seen: set[str] = set()
+    out: list[dict] = []
+    for split, size, seed in (("eval", cfg.eval_size, cfg.seed + 1_000_003), ("train", cfg.train_size, cfg.seed)):
+        if size == 0:
+            continue
+        ds = reasoning_gym.create_dataset(cfg.dataset, size=size * 4 + 64, seed=seed, **cfg.dataset_config)
+        n = 0
+        for entry in ds:
+            key = _norm(entry["question"])
+            if key in seen:
+                continue
+            seen.add(key)
+            digest = hashlib.sha1(f"{cfg.dataset}:{key}".encode()).hexdigest()[:12]
+            entry = {"question": entry["question"], "answer": entry["answer"], "metadata": entry.get("metadata", {})}
+            verifier = {"kind": "reasoning_gym", "dataset": cfg.dataset, "entry": entry, "extract": cfg.extract}
+            out.append(_task(f"{cfg.dataset}-{split}-{digest}", cfg.dataset, entry["question"], verifier, cfg, split,
+                             metadata={"answer": entry["answer"]}))
+            n += 1
+            if n == size:
+                break
+        if n < size:
+            raise ValueError(f"{cfg.dataset}: only {n} distinct {split} items for {size} asked")
+    return out
+
+
+def _toy_tasks(cfg: TaskSourceConfig) -> list[dict]:
+    import random
+
+    rng = random.Random(cfg.seed)
+    out = []
+    for split, size in (("eval", cfg.eval_size), ("train", cfg.train_size)):
+        for i in range(size):
+            q = "".join(rng.choice("0123456789") for _ in range(4)) + f"{split[0]}{i}"
+            verifier = {"kind": "regex", "pattern": cfg.toy_pattern}
+            out.append(_task(f"toy-{split}-{i}", "toy_prefix", q, verifier, cfg, split))
+    return out
