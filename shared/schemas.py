@@ -1,7 +1,7 @@
 """Message schemas: one record type per topic (DESIGN.md, "Topics and messages").
 
 Every record is one JSON object encoded with orjson, carrying ``schema`` (its name) and
-``version`` (its schema version). :func:`decode` validates; a record that fails goes to
+carrying ``schema`` (its name) and ``schema_version``. :func:`decode` validates; a record that fails goes to
 flywheel.dlq as a :class:`DeadLetter` with the reason (see ``shared.kafka``).
 """
 
@@ -116,18 +116,18 @@ class Record(BaseModel):
     SCHEMA: ClassVar[str] = "record"
     VERSION: ClassVar[int] = 1
     schema_: str = Field("record", alias="schema")
-    version: int = 1
+    schema_version: int = 1
 
     def __init__(self, **data: Any) -> None:
         data.setdefault("schema", self.SCHEMA)
-        data.setdefault("version", self.VERSION)
+        data.setdefault("schema_version", self.VERSION)
         super().__init__(**data)
 
     @model_validator(mode="before")
     @classmethod
     def _check_schema(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            name, ver = data.get("schema", cls.SCHEMA), data.get("version", cls.VERSION)
+            name, ver = data.get("schema", cls.SCHEMA), data.get("schema_version", cls.VERSION)
             if name != cls.SCHEMA:
                 raise ValueError(f"schema is {name!r}, expected {cls.SCHEMA!r}")
             if ver != cls.VERSION:

@@ -62,11 +62,11 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
     producer = kafka.make_producer(config.kafka, "trainer")
     consumer = kafka.make_consumer(config.kafka, topics.SCORED, group_id="trainer", client_id="trainer")
     await producer.start()
+    latest = store.latest()
+    if latest is not None:  # re-announce: the broker may have lost the record
+        await (await kafka.send(producer, topics.WEIGHTS, latest, latest.model))
     await consumer.start()
     try:
-        latest = store.latest()
-        if latest is not None:  # re-announce: the broker may have lost the record
-            await (await kafka.send(producer, topics.WEIGHTS, latest, latest.model))
         last_step_end = time.perf_counter()
         while not stop.is_set():
             batch = await consumer.getmany(timeout_ms=200, max_records=1024)

@@ -20,3 +20,9 @@ class VerifierConfig(BaseModel):
     """Wall-clock bound of one math-verify comparison, enforced by the process pool (seconds)."""
     code_timeout_s: float = Field(10.0, gt=0, le=300)
     """Wall-clock limit given to the sandbox for one unit-test run (seconds)."""
+    math_workers: int = Field(1, ge=1, le=64)
+    """Processes of the math-verify pool (each holds sympy; about 100 MB)."""
+    consumer_group: str = "verifier"
+    """Kafka consumer group of flywheel.trajectories (copies with the same group share partitions)."""
+    metrics_interval_s: float = Field(10.0, gt=0, le=3600)
+    """Seconds between two Metrics snapshots on flywheel.metrics."""

@@ -14,7 +14,7 @@ def _task(**kw):
 def test_task_round_trip_keeps_schema_and_discriminated_verifier():
     t = _task(verifier={"kind": "math", "answer": "1/2"}, metadata={"x": [1, 2]})
     obj = orjson.loads(t.encode())
-    assert obj["schema"] == "flywheel.Task" and obj["version"] == 1
+    assert obj["schema"] == "flywheel.Task" and obj["schema_version"] == 1
     back = decode(t.encode(), Task)
     assert back == t and back.verifier.kind == "math"
 
@@ -37,8 +37,8 @@ def test_trajectory_round_trip_and_alignment_check():
     [
         (b"not json", "not JSON"),
         (b"[1, 2]", "not a JSON object"),
-        (b'{"schema": "flywheel.Task", "version": 1}', "task_id"),
-        (b'{"schema": "flywheel.Other", "version": 1}', "schema is"),
+        (b'{"schema": "flywheel.Task", "schema_version": 1}', "task_id"),
+        (b'{"schema": "flywheel.Other", "schema_version": 1}', "schema is"),
     ],
 )
 def test_decode_rejects_with_reason(raw, needle):
@@ -48,7 +48,7 @@ def test_decode_rejects_with_reason(raw, needle):
 
 def test_wrong_schema_version_is_rejected():
     obj = orjson.loads(_task().encode())
-    obj["version"] = 99
+    obj["schema_version"] = 99
     with pytest.raises(DecodeError, match="version 99"):
         decode(orjson.dumps(obj), Task)
 

@@ -1,0 +1,36 @@
+"""The scheduler's FastAPI app; built by :func:`create_app`, never at import time."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import FastAPI
+
+from shared.config import FlywheelConfig
+
+from scheduler_service.routes import evals, status, tasks
+from scheduler_service.state import SchedulerState
+
+
+def create_app(config: FlywheelConfig, state: SchedulerState) -> FastAPI:
+    """The REST API over ``state``; its lifespan starts the producer and sampler and stops them.
+
+    Routes: ``POST/GET /v1/tasks``, ``POST/GET /v1/evals``, ``GET /v1/status``,
+    ``GET /v1/metrics/history``, ``GET /healthz``; OpenAPI docs at ``/docs``.
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app = FastAPI(title="Flywheel scheduler", version="0.1.0", lifespan=lifespan)
+    app.state.scheduler = state
+    app.state.config = config
+    for r in (tasks.router, evals.router, status.router):
+        app.include_router(r)
+    return app

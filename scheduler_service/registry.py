@@ -1,0 +1,473 @@
+"""The scheduler's task registry: SQLite through the stdlib ``sqlite3`` module.
+
+What must survive a broker loss lives here (DESIGN.md, "Delivery semantics"): tasks, their
+pass rates, the groups issued for them, the reward events already counted and the policy version.
+One connection in WAL mode with ``synchronous=FULL``, shared by the event loop and worker
+threads under a lock; every call is one short transaction.
+
+Group states: ``pending`` (written, not yet sent: eval rounds), ``issued`` (sent, rewards
+outstanding), ``complete`` (a reward for every sample index) and ``abandoned`` (deadline passed
+``max_attempts`` times).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import orjson
+
+from shared.config import RunConfig
+from shared.schemas import RewardEvent, Task
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS tasks (
+    task_id TEXT PRIMARY KEY,
+    domain TEXT NOT NULL,
+    split TEXT NOT NULL CHECK (split IN ('train', 'eval')),
+    difficulty REAL NOT NULL,
+    payload TEXT NOT NULL,
+    state TEXT NOT NULL,
+    samples INTEGER NOT NULL DEFAULT 0,
+    passes INTEGER NOT NULL DEFAULT 0,
+    groups_issued INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS tasks_split_issued ON tasks (split, groups_issued);
+CREATE TABLE IF NOT EXISTS "groups" (
+    group_id TEXT PRIMARY KEY,
+    task_id TEXT NOT NULL REFERENCES tasks (task_id),
+    purpose TEXT NOT NULL CHECK (purpose IN ('train', 'eval')),
+    attempt INTEGER NOT NULL,
+    n INTEGER NOT NULL,
+    eval_round INTEGER,
+    issued_at REAL,
+    deadline REAL,
+    state TEXT NOT NULL CHECK (state IN ('pending', 'issued', 'complete', 'abandoned')),
+    received INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS groups_state ON "groups" (state, deadline);
+CREATE INDEX IF NOT EXISTS groups_round ON "groups" (eval_round);
+CREATE TABLE IF NOT EXISTS rewards (
+    trajectory_id TEXT PRIMARY KEY,
+    group_id TEXT NOT NULL,
+    sample_index INTEGER NOT NULL,
+    counted INTEGER NOT NULL,
+    passed INTEGER NOT NULL,
+    reward REAL NOT NULL,
+    infra_error INTEGER NOT NULL,
+    policy_version INTEGER NOT NULL,
+    received_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS rewards_group ON rewards (group_id, sample_index);
+CREATE TABLE IF NOT EXISTS eval_rounds (
+    id INTEGER PRIMARY KEY,
+    min_policy_version INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    n_items INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+class TaskConflictError(ValueError):
+    """Some task ids of a batch are already registered (or repeated in the batch) with other content."""
+
+    def __init__(self, task_ids: list[str]) -> None:
+        super().__init__(f"task ids registered with different content: {', '.join(task_ids[:20])}")
+        self.task_ids = task_ids
+
+
+@dataclass(frozen=True)
+class IssuedGroup:
+    """A group to send as a RolloutRequest (its row is already written)."""
+
+    group_id: str
+    task: Task
+    purpose: str
+    attempt: int
+    n: int
+    eval_round: int | None
+    min_policy_version: int
+
+
+@dataclass(frozen=True)
+class RewardOutcome:
+    """What recording one RewardEvent did.
+
+    ``new``: the trajectory id was not seen before. ``counted``: it filled a sample index of a
+    known group for the first time. ``scored``: counted and not an infrastructure error (it
+    changed the task's samples/passes). ``completed``: it completed its group.
+    """
+
+    new: bool
+    counted: bool
+    scored: bool
+    completed: bool
+
+
+def canonical_payload(task: Task) -> str:
+    """The stored JSON of ``task`` (sorted keys, so equal content gives equal text)."""
+    return orjson.dumps(task.model_dump(mode="json", by_alias=True), option=orjson.OPT_SORT_KEYS).decode()
+
+
+def sqlite_path(database_url: str, run: RunConfig) -> Path:
+    """File of a ``sqlite:///PATH`` URL; relative paths resolve under the run directory.
+
+    Raises:
+        ValueError: the URL is not ``sqlite:///...`` (other databases are not supported yet).
+    """
+    prefix = "sqlite:///"
+    if not database_url.startswith(prefix) or len(database_url) == len(prefix):
+        raise ValueError(f"unsupported database_url {database_url!r}: expected sqlite:///PATH")
+    return run.path(database_url[len(prefix):])
+
+
+class Registry:
+    """Tasks, groups, counted rewards, eval rounds and key/values in one SQLite file.
+
+    Thread-safe (one connection under a lock). Times are Unix seconds.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=30)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+
+    @classmethod
+    def from_url(cls, database_url: str, run: RunConfig) -> "Registry":
+        """Open (creating if needed) the registry named by ``database_url``; see :func:`sqlite_path`."""
+        return cls(sqlite_path(database_url, run))
+
+    def close(self) -> None:
+        """Close the connection (idempotent)."""
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _one(self, sql: str, *args: Any) -> sqlite3.Row | None:
+        with self._lock:
+            return self._db.execute(sql, args).fetchone()
+
+    def _all(self, sql: str, *args: Any) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # ------------------------------------------------------------ tasks
+
+    def register_tasks(self, tasks: list[Task]) -> list[str]:
+        """Store a batch of tasks in one transaction: all or nothing.
+
+        A task id already stored with the same content is accepted again (idempotent).
+
+        Returns:
+            The task ids in the order given.
+
+        Raises:
+            TaskConflictError: an id is stored, or repeated in the batch, with different content
+                (nothing of the batch is stored).
+        """
+        now = time.time()
+        seen: dict[str, str] = {}
+        conflicts: list[str] = []
+        with self._tx() as db:
+            for t in tasks:
+                payload = canonical_payload(t)
+                if t.task_id in seen:
+                    if seen[t.task_id] != payload:
+                        conflicts.append(t.task_id)
+                    continue
+                seen[t.task_id] = payload
+                row = db.execute("SELECT payload FROM tasks WHERE task_id = ?", (t.task_id,)).fetchone()
+                if row is not None:
+                    if row["payload"] != payload:
+                        conflicts.append(t.task_id)
+                    continue
+                db.execute(
+                    "INSERT INTO tasks (task_id, domain, split, difficulty, payload, state, created_at)"
+                    " VALUES (?, ?, ?, ?, ?, 'registered', ?)",
+                    (t.task_id, t.domain, t.split, t.difficulty, payload, now),
+                )
+            if conflicts:
+                raise TaskConflictError(conflicts)
+        return [t.task_id for t in tasks]
+
+    def get_task(self, task_id: str) -> dict[str, Any] | None:
+        """Summary of one task (``None`` when unknown); ``pass_rate`` is passes/samples or ``None``."""
+        row = self._one(
+            "SELECT task_id, domain, split, state, samples, passes, groups_issued FROM tasks WHERE task_id = ?",
+            task_id,
+        )
+        if row is None:
+            return None
+        d = dict(row)
+        d["pass_rate"] = d["passes"] / d["samples"] if d["samples"] else None
+        return d
+
+    def task_counts(self) -> dict[str, int]:
+        """Registered tasks per split: ``{"train": n, "eval": n}``."""
+        out = {"train": 0, "eval": 0}
+        for row in self._all("SELECT split, COUNT(*) AS c FROM tasks GROUP BY split"):
+            out[row["split"]] = row["c"]
+        return out
+
+    def samples_scored(self) -> int:
+        """Scored samples over all tasks (infrastructure errors excluded)."""
+        return int(self._one("SELECT COALESCE(SUM(samples), 0) AS s FROM tasks")["s"])
+
+    def least_issued_train_tasks(self) -> list[str]:
+        """Ids of the train tasks with the fewest groups issued, sorted (empty when none)."""
+        rows = self._all(
+            "SELECT task_id FROM tasks WHERE split = 'train' AND groups_issued ="
+            " (SELECT MIN(groups_issued) FROM tasks WHERE split = 'train') ORDER BY task_id"
+        )
+        return [r["task_id"] for r in rows]
+
+    # ------------------------------------------------------------ groups
+
+    def _new_group(self, db: sqlite3.Connection, task_id: str, purpose: str, state: str,
+                   eval_round: int | None, now: float, deadline: float | None) -> tuple[str, Task]:
+        row = db.execute("SELECT payload, groups_issued FROM tasks WHERE task_id = ?", (task_id,)).fetchone()
+        task = Task.model_validate_json(row["payload"])
+        group_id = f"{task_id}:{row['groups_issued']}"
+        db.execute(
+            'INSERT INTO "groups" (group_id, task_id, purpose, attempt, n, eval_round, issued_at, deadline, state)'
+            " VALUES (?, ?, ?, 1, ?, ?, ?, ?, ?)",
+            (group_id, task_id, purpose, task.samples_per_task if purpose == "train" else 1, eval_round,
+             now if state == "issued" else None, deadline, state),
+        )
+        db.execute(
+            "UPDATE tasks SET groups_issued = groups_issued + 1,"
+            " state = CASE WHEN split = 'train' THEN 'active' ELSE state END WHERE task_id = ?",
+            (task_id,),
+        )
+        return group_id, task
+
+    def issue_train_groups(self, task_ids: list[str], deadline_s: float) -> list[IssuedGroup]:
+        """Write one new ``issued`` training group per task id (one transaction), before it is sent.
+
+        Group ids are ``f"{task_id}:{seq}"`` with ``seq`` the task's count of groups so far.
+        """
+        now = time.time()
+        out = []
+        with self._tx() as db:
+            for tid in task_ids:
+                gid, task = self._new_group(db, tid, "train", "issued", None, now, now + deadline_s)
+                out.append(IssuedGroup(gid, task, "train", 1, task.samples_per_task, None, 0))
+        return out
+
+    def train_group_counts(self) -> tuple[int, int]:
+        """``(issued, in_flight)`` training groups: issued counts every group not abandoned."""
+        row = self._one(
+            "SELECT COALESCE(SUM(state != 'abandoned'), 0) AS issued, COALESCE(SUM(state = 'issued'), 0) AS fl"
+            ' FROM "groups" WHERE purpose = \'train\''
+        )
+        return int(row["issued"]), int(row["fl"])
+
+    def group_state_counts(self) -> dict[str, int]:
+        """Groups per state (all purposes), every state present."""
+        out = {"pending": 0, "issued": 0, "complete": 0, "abandoned": 0}
+        for row in self._all('SELECT state, COUNT(*) AS c FROM "groups" GROUP BY state'):
+            out[row["state"]] = row["c"]
+        return out
+
+    def get_group(self, group_id: str) -> dict[str, Any] | None:
+        """The row of one group (``None`` when unknown)."""
+        row = self._one('SELECT * FROM "groups" WHERE group_id = ?', group_id)
+        return dict(row) if row else None
+
+    def _issued(self, db: sqlite3.Connection, row: sqlite3.Row) -> IssuedGroup:
+        payload = db.execute("SELECT payload FROM tasks WHERE task_id = ?", (row["task_id"],)).fetchone()["payload"]
+        mpv = 0
+        if row["eval_round"] is not None:
+            r = db.execute("SELECT min_policy_version FROM eval_rounds WHERE id = ?", (row["eval_round"],)).fetchone()
+            mpv = r["min_policy_version"] if r else 0
+        return IssuedGroup(row["group_id"], Task.model_validate_json(payload), row["purpose"], row["attempt"],
+                           row["n"], row["eval_round"], mpv)
+
+    def take_pending(self, deadline_s: float, limit: int = 1000) -> list[IssuedGroup]:
+        """Mark up to ``limit`` pending groups ``issued`` (deadline now + ``deadline_s``) and return them."""
+        now = time.time()
+        with self._tx() as db:
+            rows = db.execute(
+                'SELECT * FROM "groups" WHERE state = \'pending\' ORDER BY rowid LIMIT ?', (limit,)
+            ).fetchall()
+            for r in rows:
+                db.execute('UPDATE "groups" SET state = \'issued\', issued_at = ?, deadline = ? WHERE group_id = ?',
+                           (now, now + deadline_s, r["group_id"]))
+            return [self._issued(db, r) for r in rows]
+
+    def expire_groups(self, deadline_s: float, max_attempts: int) -> tuple[list[IssuedGroup], list[str]]:
+        """Handle issued groups past their deadline: re-issue (attempt + 1) or abandon.
+
+        Returns:
+            ``(reissued, abandoned_ids)``; re-issued rows already carry the new attempt and deadline.
+        """
+        now = time.time()
+        reissued, abandoned = [], []
+        with self._tx() as db:
+            rows = db.execute(
+                'SELECT * FROM "groups" WHERE state = \'issued\' AND deadline < ? ORDER BY deadline', (now,)
+            ).fetchall()
+            for r in rows:
+                if r["attempt"] >= max_attempts:
+                    db.execute('UPDATE "groups" SET state = \'abandoned\' WHERE group_id = ?', (r["group_id"],))
+                    abandoned.append(r["group_id"])
+                    continue
+                db.execute(
+                    'UPDATE "groups" SET attempt = attempt + 1, issued_at = ?, deadline = ? WHERE group_id = ?',
+                    (now, now + deadline_s, r["group_id"]),
+                )
+                row = db.execute('SELECT * FROM "groups" WHERE group_id = ?', (r["group_id"],)).fetchone()
+                reissued.append(self._issued(db, row))
+        return reissued, abandoned
+
+    # ------------------------------------------------------------ rewards
+
+    def record_reward(self, ev: RewardEvent) -> RewardOutcome:
+        """Count one RewardEvent once (by trajectory id, then by group id + sample index).
+
+        Events of unknown groups (another scheduler's, or a task id that does not match) are
+        ignored. Infrastructure errors fill their sample index but change no samples/passes.
+        """
+        nothing = RewardOutcome(False, False, False, False)
+        with self._tx() as db:
+            g = db.execute('SELECT * FROM "groups" WHERE group_id = ?', (ev.group_id,)).fetchone()
+            if g is None or g["task_id"] != ev.task_id:
+                return nothing
+            dup_index = db.execute(
+                "SELECT 1 FROM rewards WHERE group_id = ? AND sample_index = ? AND counted = 1",
+                (ev.group_id, ev.sample_index),
+            ).fetchone()
+            counted = dup_index is None and 0 <= ev.sample_index < g["n"]
+            cur = db.execute(
+                "INSERT OR IGNORE INTO rewards (trajectory_id, group_id, sample_index, counted, passed, reward,"
+                " infra_error, policy_version, received_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (ev.trajectory_id, ev.group_id, ev.sample_index, int(counted), int(ev.passed), ev.reward,
+                 int(ev.infra_error), ev.policy_version, time.time()),
+            )
+            if cur.rowcount == 0:
+                return nothing
+            if not counted:
+                return RewardOutcome(True, False, False, False)
+            received = g["received"] + 1
+            completed = received >= g["n"] and g["state"] != "complete"
+            db.execute(
+                'UPDATE "groups" SET received = ?, state = CASE WHEN ? THEN \'complete\' ELSE state END'
+                " WHERE group_id = ?",
+                (received, completed, ev.group_id),
+            )
+            scored = not ev.infra_error
+            if scored:
+                db.execute("UPDATE tasks SET samples = samples + 1, passes = passes + ? WHERE task_id = ?",
+                           (int(ev.passed), ev.task_id))
+            return RewardOutcome(True, True, scored, completed)
+
+    # ------------------------------------------------------------ eval rounds
+
+    def create_eval_round(self, min_policy_version: int) -> int | None:
+        """Create an eval round with one ``pending`` group (n = 1) per eval task, in one transaction.
+
+        Round ids count from 0. Returns the round id, or ``None`` when no eval task is registered.
+        """
+        now = time.time()
+        with self._tx() as db:
+            ids = [r["task_id"] for r in db.execute("SELECT task_id FROM tasks WHERE split = 'eval' ORDER BY task_id")]
+            if not ids:
+                return None
+            rid = db.execute("SELECT COALESCE(MAX(id), -1) + 1 AS r FROM eval_rounds").fetchone()["r"]
+            db.execute("INSERT INTO eval_rounds (id, min_policy_version, created_at, n_items) VALUES (?, ?, ?, ?)",
+                       (rid, min_policy_version, now, len(ids)))
+            for tid in ids:
+                self._new_group(db, tid, "eval", "pending", rid, now, None)
+            return rid
+
+    def eval_round(self, round_id: int) -> dict[str, Any] | None:
+        """Summary of one eval round (``None`` when unknown).
+
+        ``completed``: items with a (non infra-error) score; ``accuracy``: correct / completed
+        (``None`` before any); ``done``: every group complete or abandoned.
+        """
+        r = self._one("SELECT * FROM eval_rounds WHERE id = ?", round_id)
+        if r is None:
+            return None
+        g = self._one(
+            'SELECT COUNT(*) AS total, COALESCE(SUM(state IN (\'complete\', \'abandoned\')), 0) AS finished,'
+            ' COALESCE(SUM(state = \'abandoned\'), 0) AS abandoned FROM "groups" WHERE eval_round = ?',
+            round_id,
+        )
+        s = self._one(
+            "SELECT COUNT(*) AS completed, COALESCE(SUM(r.passed), 0) AS correct FROM rewards r"
+            ' JOIN "groups" g ON g.group_id = r.group_id WHERE g.eval_round = ? AND r.counted = 1'
+            " AND r.infra_error = 0",
+            round_id,
+        )
+        versions = self._all(
+            'SELECT DISTINCT r.policy_version AS v FROM rewards r JOIN "groups" g ON g.group_id = r.group_id'
+            " WHERE g.eval_round = ? AND r.counted = 1 ORDER BY v",
+            round_id,
+        )
+        return {
+            "eval_round": r["id"],
+            "min_policy_version": r["min_policy_version"],
+            "n": r["n_items"],
+            "completed": s["completed"],
+            "correct": s["correct"],
+            "accuracy": s["correct"] / s["completed"] if s["completed"] else None,
+            "abandoned": g["abandoned"],
+            "policy_versions": [v["v"] for v in versions],
+            "done": g["finished"] == g["total"],
+            "created_at": r["created_at"],
+        }
+
+    def eval_rounds(self) -> list[dict[str, Any]]:
+        """Summaries of every eval round, oldest first."""
+        return [self.eval_round(r["id"]) for r in self._all("SELECT id FROM eval_rounds ORDER BY id")]
+
+    # ------------------------------------------------------------ key/values
+
+    def kv_get(self, key: str, default: Any = None) -> Any:
+        """A JSON value stored under ``key`` (``default`` when absent)."""
+        row = self._one("SELECT value FROM kv WHERE key = ?", key)
+        return orjson.loads(row["value"]) if row else default
+
+    def kv_set(self, key: str, value: Any) -> None:
+        """Store a JSON-serialisable ``value`` under ``key``."""
+        with self._tx() as db:
+            db.execute("INSERT INTO kv (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                       (key, orjson.dumps(value).decode()))
+
+    @property
+    def policy_version(self) -> int:
+        """The highest policy version seen on flywheel.weights (0 before any)."""
+        return int(self.kv_get("policy_version", 0))
+
+    def raise_policy_version(self, version: int) -> bool:
+        """Persist ``version`` when it is higher than the stored one; True when it changed."""
+        with self._tx() as db:
+            row = db.execute("SELECT value FROM kv WHERE key = 'policy_version'").fetchone()
+            if row is not None and int(orjson.loads(row["value"])) >= version:
+                return False
+            db.execute("INSERT INTO kv (key, value) VALUES ('policy_version', ?)"
+                       " ON CONFLICT(key) DO UPDATE SET value = excluded.value", (str(version),))
+            return True

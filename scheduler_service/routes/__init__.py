@@ -1,0 +1,1 @@
+"""One router per resource: tasks, evals, status (status, metrics history, health)."""

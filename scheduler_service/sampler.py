@@ -1,0 +1,262 @@
+"""The sampler: issues rollout requests under a staleness budget and consumes what comes back.
+
+Three loops in one asyncio task group, each stopping within about one poll interval of
+:meth:`Sampler.stop`:
+
+- ``issue``: every ``poll_interval_s``, re-issue or abandon groups past their deadline, create
+  automatic eval rounds, send pending eval groups, then issue new training groups while the
+  budget allows (AReaL-style, DESIGN.md "Policy versions and staleness"): with policy version
+  v, batch B and max staleness η, at most ``min(v + η + 1, max_steps) * B`` training groups
+  issued in total (abandoned ones give their slot back; re-issues are not new) and at most
+  ``(η + 1) * B`` in flight. Every group row is written to SQLite before its request is sent.
+- ``rewards``: flywheel.rewards in the consumer group ``scheduler.consumer_group``; malformed
+  records go to the DLQ; each event is counted once; offsets are committed after SQLite.
+- ``watch``: flywheel.weights and flywheel.metrics without a group, from the earliest offset:
+  the highest weight version is the policy version; trainer metrics feed the history.
+
+Simplified: tasks are chosen fewest-groups-first with a seeded RNG breaking ties (epochs over
+the dataset); no domain mix or curriculum yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import TYPE_CHECKING
+
+from aiokafka import AIOKafkaConsumer
+
+from shared import topics
+from shared.kafka import commit_batch, decode_or_dead_letter, make_consumer, send
+from shared.schemas import Metrics, RewardEvent, RolloutRequest, SamplingParams, WeightUpdate
+
+from scheduler_service.registry import IssuedGroup
+
+if TYPE_CHECKING:
+    from scheduler_service.state import SchedulerState
+
+log = logging.getLogger(__name__)
+
+_AUTO_EVAL_KEY = "eval_auto_last_multiple"
+
+
+def training_budget(policy_version: int, batch_groups: int, max_staleness: int, max_steps: int,
+                    issued: int, in_flight: int) -> int:
+    """New training groups that may be issued now (never negative).
+
+    Total cap ``min(v + η + 1, max_steps) * B``; in-flight cap ``(η + 1) * B``.
+    """
+    total_cap = min(policy_version + max_staleness + 1, max_steps) * batch_groups
+    flight_cap = (max_staleness + 1) * batch_groups
+    return max(0, min(total_cap - issued, flight_cap - in_flight))
+
+
+class Sampler:
+    """Flow control and bookkeeping of rollout groups for one scheduler process.
+
+    Args:
+        state: shared state; its producer must be started.
+    """
+
+    def __init__(self, state: "SchedulerState") -> None:
+        self.state = state
+        self.cfg = state.config
+        self.registry = state.registry
+        self.rng = random.Random(self.cfg.scheduler.seed)
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.name = "scheduler"
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Start the loops in the background (returns at once)."""
+        self._stop.clear()
+        self._task = asyncio.create_task(self._run(), name="scheduler-sampler")
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the loops to stop; cancel them when they take longer than ``timeout_s`` seconds."""
+        self._stop.set()
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
+        except asyncio.TimeoutError:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._task = None
+
+    async def _run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._issue_loop())
+            tg.create_task(self._restarting(self._rewards_loop))
+            tg.create_task(self._restarting(self._watch_loop))
+
+    async def _restarting(self, loop) -> None:
+        """Run a consumer loop until stopped, restarting it after a failure (broker down, ...)."""
+        while not self._stop.is_set():
+            try:
+                await loop()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("%s failed; restarting in 1 s", loop.__name__)
+                await self._sleep(1.0)
+
+    async def _sleep(self, s: float) -> None:
+        try:
+            await asyncio.wait_for(self._stop.wait(), s)
+        except asyncio.TimeoutError:
+            pass
+
+    # ------------------------------------------------------------ issuing
+
+    async def _issue_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("sampler tick failed; retrying")
+                await self._sleep(1.0)
+            await self._sleep(self.cfg.scheduler.poll_interval_s)
+
+    async def tick(self) -> None:
+        """One pass: deadlines, automatic evals, pending eval groups, then new training groups."""
+        sc = self.cfg.scheduler
+        reissued, abandoned = self.registry.expire_groups(sc.group_deadline_s, sc.max_attempts)
+        for gid in abandoned:
+            log.warning("group %s abandoned after %d attempts", gid, sc.max_attempts)
+        if reissued:
+            log.info("re-issuing %d groups past their deadline", len(reissued))
+            await self._send(reissued)
+        self._auto_eval()
+        pending = self.registry.take_pending(sc.group_deadline_s)
+        if pending:
+            await self._send(pending)
+        if self.training_allowed():
+            await self._issue_training()
+
+    def training_allowed(self) -> bool:
+        """False while the pre-training evaluation (round 0) is outstanding.
+
+        Round 0 is created here at policy version 0 when ``eval_before_training`` is set, eval
+        tasks exist, no round exists and no training group was issued yet.
+        """
+        if not self.cfg.scheduler.eval_before_training:
+            return True
+        r0 = self.registry.eval_round(0)
+        if r0 is None:
+            issued, _ = self.registry.train_group_counts()
+            if issued or self.registry.policy_version != 0 or not self.registry.task_counts()["eval"]:
+                return True
+            rid = self.registry.create_eval_round(0)
+            log.info("created pre-training eval round %s", rid)
+            return False
+        return r0["done"]
+
+    def _auto_eval(self) -> None:
+        every = self.cfg.scheduler.eval_every
+        if every <= 0:
+            return
+        v = self.registry.policy_version
+        multiple = (v // every) * every
+        if multiple <= 0 or multiple <= int(self.registry.kv_get(_AUTO_EVAL_KEY, 0)):
+            return
+        rid = self.registry.create_eval_round(v)
+        self.registry.kv_set(_AUTO_EVAL_KEY, multiple)
+        log.info("policy version %d: automatic eval round %s", v, rid)
+
+    async def _issue_training(self) -> None:
+        tc = self.cfg.trainer
+        issued, in_flight = self.registry.train_group_counts()
+        budget = training_budget(self.registry.policy_version, tc.batch_groups, tc.max_staleness, tc.max_steps,
+                                 issued, in_flight)
+        while budget > 0 and not self._stop.is_set():
+            ids = self.registry.least_issued_train_tasks()
+            if not ids:
+                return
+            self.rng.shuffle(ids)
+            groups = self.registry.issue_train_groups(ids[:budget], self.cfg.scheduler.group_deadline_s)
+            budget -= len(groups)
+            await self._send(groups)
+
+    def _request(self, g: IssuedGroup) -> RolloutRequest:
+        sc = self.cfg.scheduler
+        greedy = g.purpose == "eval"
+        sampling = SamplingParams(max_new_tokens=sc.max_tokens, temperature=0.0 if greedy else sc.temperature)
+        return RolloutRequest(group_id=g.group_id, task=g.task, n=g.n, sampling=sampling, purpose=g.purpose,
+                              attempt=g.attempt, min_policy_version=g.min_policy_version, eval_round=g.eval_round)
+
+    async def _send(self, groups: list[IssuedGroup]) -> None:
+        """Send requests whose rows are written and wait for every ack.
+
+        Raises:
+            aiokafka.errors.KafkaError: a send failed (the rows stay ``issued``; the deadline re-issues them).
+        """
+        producer = self.state.producer
+        futs = [await send(producer, topics.ROLLOUT_REQUESTS, self._request(g), key=g.group_id) for g in groups]
+        await asyncio.gather(*futs)
+        for g in groups:
+            log.info("issued group %s (%s, attempt %d, n=%d)", g.group_id, g.purpose, g.attempt, g.n)
+
+    # ------------------------------------------------------------ consuming
+
+    async def _consume(self, consumer: AIOKafkaConsumer, handle, commit: bool) -> None:
+        await consumer.start()
+        try:
+            while not self._stop.is_set():
+                batch = await consumer.getmany(timeout_ms=int(self.cfg.scheduler.poll_interval_s * 1000) + 50,
+                                               max_records=500)
+                if not batch:
+                    continue
+                try:
+                    for msgs in batch.values():
+                        for msg in msgs:
+                            await handle(msg)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("handling a batch failed; re-reading it")
+                    for tp, msgs in batch.items():
+                        consumer.seek(tp, msgs[0].offset)
+                    await self._sleep(1.0)
+                    continue
+                if commit:
+                    await commit_batch(consumer, batch)
+        finally:
+            await consumer.stop()
+
+    async def _rewards_loop(self) -> None:
+        consumer = make_consumer(self.cfg.kafka, topics.REWARDS, group_id=self.cfg.scheduler.consumer_group,
+                                 client_id="scheduler-rewards")
+        await self._consume(consumer, self._on_reward, commit=True)
+
+    async def _on_reward(self, msg) -> None:
+        ev = await decode_or_dead_letter(self.state.producer, msg, RewardEvent, self.name)
+        if ev is None:
+            return
+        outcome = self.registry.record_reward(ev)
+        self.state.stats.on_reward(ev, outcome, self.registry.policy_version)
+        if outcome.completed:
+            log.info("group %s complete", ev.group_id)
+
+    async def _watch_loop(self) -> None:
+        consumer = make_consumer(self.cfg.kafka, topics.WEIGHTS, topics.METRICS, group_id=None,
+                                 client_id="scheduler-watch")
+        await self._consume(consumer, self._on_watch, commit=False)
+
+    async def _on_watch(self, msg) -> None:
+        if msg.topic == topics.WEIGHTS:
+            wu = await decode_or_dead_letter(self.state.producer, msg, WeightUpdate, self.name)
+            want = self.cfg.scheduler.weights_model
+            if wu is None or (want is not None and wu.model != want):
+                return
+            if self.registry.raise_policy_version(wu.version):
+                log.info("policy version %d (step %d)", wu.version, wu.step)
+        else:
+            m = await decode_or_dead_letter(self.state.producer, msg, Metrics, self.name)
+            if m is not None:
+                self.state.stats.on_metrics(m)

@@ -1,0 +1,91 @@
+"""Fixtures of the scheduler tests: a config factory and a running app (REST client + state)."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+
+from shared.config import FlywheelConfig, KafkaConfig, RunConfig
+from scheduler_service.api import create_app
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.registry import Registry
+from scheduler_service.state import SchedulerState
+from trainer_service.config import TrainerConfig
+
+
+@pytest.fixture
+def make_config(tmp_path):
+    """Build a FlywheelConfig whose run directory is ``tmp_path``; sections as keyword dicts."""
+
+    def build(kafka: KafkaConfig | None = None, scheduler: dict | None = None, trainer: dict | None = None):
+        return FlywheelConfig(
+            kafka=kafka or KafkaConfig(),
+            run=RunConfig(dir=str(tmp_path)),
+            scheduler=SchedulerConfig(**(scheduler or {})),
+            trainer=TrainerConfig(**(trainer or {})),
+        )
+
+    return build
+
+
+@pytest.fixture
+def running():
+    """``async with running(config, kafka=...) as (client, state)``: app started, closed on exit."""
+
+    @asynccontextmanager
+    async def run(config: FlywheelConfig, kafka: bool = True):
+        registry = Registry.from_url(config.scheduler.database_url, config.run)
+        state = SchedulerState(config, registry, kafka=kafka)
+        app = create_app(config, state)
+        try:
+            async with app.router.lifespan_context(app):
+                transport = httpx.ASGITransport(app=app)
+                async with httpx.AsyncClient(transport=transport, base_url="http://scheduler") as client:
+                    yield client, state
+        finally:
+            registry.close()
+
+    return run
+
+
+def task_body(task_id: str | None = None, **kw) -> dict:
+    """A valid TaskCreate body (regex verifier, K = 2)."""
+    body = {"domain": "toy", "prompt": [{"role": "user", "content": "say a"}],
+            "verifier": {"kind": "regex", "pattern": "^a"}, "samples_per_task": 2}
+    if task_id is not None:
+        body["task_id"] = task_id
+    body.update(kw)
+    return body
+
+
+@pytest.fixture
+def task():
+    """The :func:`task_body` factory."""
+    return task_body
+
+
+@pytest.fixture
+async def kafka_io(kafka_cfg):
+    """A started test producer plus a ``reader(topic)`` factory of group-less consumers (from earliest)."""
+    from shared.kafka import ensure_topics, make_consumer, make_producer
+
+    await ensure_topics(kafka_cfg)
+    producer = make_producer(kafka_cfg, client_id="test")
+    await producer.start()
+    consumers = []
+
+    async def reader(*topic_names: str):
+        c = make_consumer(kafka_cfg, *topic_names, group_id=None, client_id="test-reader")
+        await c.start()
+        consumers.append(c)
+        return c
+
+    try:
+        yield producer, reader
+    finally:
+        for c in consumers:
+            await c.stop()
+        await producer.stop()
+

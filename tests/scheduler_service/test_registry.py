@@ -1,0 +1,120 @@
+"""Registry bookkeeping and the flow-control budget, without a broker."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from shared.config import RunConfig
+from shared.schemas import RewardEvent, Task
+from scheduler_service.registry import Registry, TaskConflictError, sqlite_path
+from scheduler_service.sampler import training_budget
+
+
+def _task(tid: str, split: str = "train", k: int = 2) -> Task:
+    return Task(task_id=tid, domain="toy", prompt=[{"role": "user", "content": "x"}],
+                verifier={"kind": "exact", "answer": "a"}, samples_per_task=k, split=split)
+
+
+def _ev(group_id: str, i: int, passed: bool = True, traj: str | None = None, infra: bool = False,
+        purpose: str = "train", v: int = 0) -> RewardEvent:
+    return RewardEvent(task_id=group_id.rsplit(":", 1)[0], group_id=group_id, trajectory_id=traj or f"{group_id}:{i}",
+                       sample_index=i, group_size=2, domain="toy", difficulty=0.0, purpose=purpose,
+                       reward=float(passed), passed=passed, infra_error=infra, completion_tokens=3,
+                       finish_reason="stop", policy_version=v)
+
+
+@pytest.fixture
+def reg(tmp_path):
+    r = Registry(tmp_path / "r.db")
+    yield r
+    r.close()
+
+
+def test_sqlite_url_resolves_under_run_dir(tmp_path):
+    run = RunConfig(dir=str(tmp_path))
+    assert sqlite_path("sqlite:///x.db", run) == tmp_path.resolve() / "x.db"
+    assert sqlite_path(f"sqlite:///{tmp_path}/abs.db", run) == tmp_path / "abs.db"
+    with pytest.raises(ValueError, match="sqlite"):
+        sqlite_path("postgresql://h/db", run)
+
+
+def test_conflict_rolls_back_the_whole_batch(reg):
+    reg.register_tasks([_task("a")])
+    with pytest.raises(TaskConflictError) as e:
+        reg.register_tasks([_task("b"), _task("a", k=4)])
+    assert e.value.task_ids == ["a"] and reg.get_task("b") is None
+    assert reg.register_tasks([_task("a"), _task("b")]) == ["a", "b"]
+
+
+def test_rewards_are_counted_once_and_complete_the_group(reg):
+    reg.register_tasks([_task("t")])
+    (g,) = reg.issue_train_groups(["t"], deadline_s=60)
+    assert g.group_id == "t:0" and g.n == 2
+    assert reg.record_reward(_ev("t:0", 0, passed=True)).counted
+    assert not reg.record_reward(_ev("t:0", 0, passed=True)).new  # redelivery
+    assert not reg.record_reward(_ev("t:0", 0, traj="other")).counted  # same sample index, other attempt
+    assert not reg.record_reward(_ev("zzz:0", 0)).new  # unknown group
+    out = reg.record_reward(_ev("t:0", 1, passed=False, infra=True))
+    assert out.counted and out.completed and not out.scored
+    assert reg.get_group("t:0")["state"] == "complete"
+    assert reg.get_task("t") | {} == {"task_id": "t", "domain": "toy", "split": "train", "state": "active",
+                                      "samples": 1, "passes": 1, "pass_rate": 1.0, "groups_issued": 1}
+    assert reg.train_group_counts() == (1, 0)
+
+
+def test_expired_groups_are_reissued_then_abandoned(reg):
+    reg.register_tasks([_task("t")])
+    reg.issue_train_groups(["t"], deadline_s=0.0)
+    time.sleep(0.01)
+    again, gone = reg.expire_groups(deadline_s=0.0, max_attempts=2)
+    assert [(g.group_id, g.attempt) for g in again] == [("t:0", 2)] and gone == []
+    time.sleep(0.01)
+    again, gone = reg.expire_groups(deadline_s=0.0, max_attempts=2)
+    assert again == [] and gone == ["t:0"]
+    assert reg.group_state_counts()["abandoned"] == 1
+    assert reg.train_group_counts() == (0, 0)  # an abandoned group gives its slot back
+
+
+def test_eval_round_accuracy_and_versions(reg):
+    reg.register_tasks([_task("e1", "eval"), _task("e2", "eval"), _task("tr")])
+    rid = reg.create_eval_round(min_policy_version=3)
+    assert rid == 0 and reg.create_eval_round(3) == 1
+    groups = reg.take_pending(deadline_s=60)
+    r0 = [g for g in groups if g.eval_round == 0]
+    assert sorted(g.task.task_id for g in r0) == ["e1", "e2"]
+    assert all(g.n == 1 and g.purpose == "eval" and g.min_policy_version == 3 for g in r0)
+    assert reg.eval_round(0)["done"] is False
+    reg.record_reward(_ev(r0[0].group_id, 0, passed=True, purpose="eval", v=4))
+    reg.record_reward(_ev(r0[1].group_id, 0, passed=False, purpose="eval", v=3))
+    s = reg.eval_round(0)
+    assert (s["n"], s["completed"], s["correct"], s["accuracy"], s["policy_versions"], s["done"]) == (
+        2, 2, 1, 0.5, [3, 4], True)
+    assert reg.eval_round(1)["done"] is False and reg.eval_round(1)["accuracy"] is None
+
+
+def test_policy_version_only_rises_and_persists(tmp_path):
+    r = Registry(tmp_path / "p.db")
+    assert r.policy_version == 0
+    assert r.raise_policy_version(3) and not r.raise_policy_version(2)
+    r.close()
+    r = Registry(tmp_path / "p.db")
+    assert r.policy_version == 3
+    r.close()
+
+
+@pytest.mark.parametrize(
+    "v, b, eta, steps, issued, flight, want",
+    [
+        (0, 1, 0, 30, 0, 0, 1),   # (0 + 0 + 1) * 1
+        (0, 1, 0, 30, 1, 0, 0),   # total cap reached until v rises
+        (1, 1, 0, 30, 1, 0, 1),
+        (0, 4, 1, 30, 0, 0, 8),   # (η + 1) * B in flight
+        (5, 4, 1, 30, 20, 6, 2),  # in-flight cap binds
+        (29, 2, 1, 30, 58, 0, 2),  # max_steps caps the total: 30 * 2
+        (30, 2, 1, 30, 60, 0, 0),
+    ],
+)
+def test_training_budget(v, b, eta, steps, issued, flight, want):
+    assert training_budget(v, b, eta, steps, issued, flight) == want

@@ -1,0 +1,182 @@
+"""The sampler against the real embedded broker: flow control, rewards, DLQ, evals, deadlines.
+
+Topics are shared by the whole test session, so ids are unique per test and every read is
+filtered by them; each scheduler uses its own consumer group and only trusts weights of its own
+(unique) model name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from shared import topics
+from shared.kafka import send
+from shared.schemas import DeadLetter, DecodeError, decode, Metrics, RewardEvent, RolloutRequest, WeightUpdate
+
+pytestmark = pytest.mark.kafka
+
+
+async def collect(consumer, cls, keep, want: int, timeout_s: float = 20.0, settle_s: float = 0.0) -> list:
+    """Decode records of ``cls`` for which ``keep(record)`` holds until ``want`` are seen (or the deadline).
+
+    With ``settle_s`` it keeps reading that long after ``want`` were seen (to catch extra records).
+    Undecodable records (other tests' garbage) are skipped.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    out: list = []
+    while loop.time() < deadline:
+        batch = await consumer.getmany(timeout_ms=100)
+        for msgs in batch.values():
+            for m in msgs:
+                try:
+                    rec = decode(m.value, cls)
+                except DecodeError:
+                    continue
+                if keep(rec):
+                    out.append(rec)
+        if len(out) >= want:
+            deadline = min(deadline, loop.time() + settle_s)
+            if settle_s == 0:
+                break
+    return out
+
+
+async def wait_for(pred, timeout_s: float = 20.0, interval_s: float = 0.05):
+    """Poll ``pred()`` (sync) until it returns a truthy value; that value, or None at the deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        v = pred()
+        if v:
+            return v
+        await asyncio.sleep(interval_s)
+    return None
+
+
+
+def _reward(req: RolloutRequest, i: int, passed: bool, v: int = 0) -> RewardEvent:
+    return RewardEvent(task_id=req.task.task_id, group_id=req.group_id, trajectory_id=f"{req.group_id}:{req.attempt}:{i}",
+                       sample_index=i, group_size=req.n, domain=req.task.domain, difficulty=req.task.difficulty,
+                       purpose=req.purpose, attempt=req.attempt, eval_round=req.eval_round, reward=float(passed),
+                       passed=passed, completion_tokens=4, finish_reason="stop", policy_version=v)
+
+
+async def _produce(producer, topic: str, record, key: str) -> None:
+    await (await send(producer, topic, record, key))
+
+
+def _cfg(make_config, kafka_cfg, unique, **sched):
+    s = {"poll_interval_s": 0.05, "consumer_group": f"sched-{unique}", "weights_model": f"m-{unique}",
+         "eval_before_training": False}
+    s.update(sched)
+    return make_config(kafka=kafka_cfg, scheduler=s, trainer={"batch_groups": 1, "max_staleness": 0, "max_steps": 30})
+
+
+async def test_flow_control_rewards_weights_and_dlq(make_config, kafka_cfg, unique, running, task, kafka_io):
+    producer, reader = kafka_io
+    ids = [f"{unique}-t{i}" for i in range(3)]
+    requests = await reader(topics.ROLLOUT_REQUESTS)
+    mine = lambda r: r.task.task_id in ids  # noqa: E731
+    async with running(_cfg(make_config, kafka_cfg, unique)) as (client, state):
+        r = await client.post("/v1/tasks", json={"tasks": [task(t) for t in ids]})
+        assert r.status_code == 202
+
+        # (v + η + 1) * B = (0 + 0 + 1) * 1: exactly one group, even after a while.
+        first = await collect(requests, RolloutRequest, mine, want=1, settle_s=1.5)
+        assert len(first) == 1, first
+        req = first[0]
+        assert (req.n, req.purpose, req.attempt, req.min_policy_version) == (2, "train", 1, 0)
+        assert req.sampling.temperature == 1.0 and req.group_id == f"{req.task.task_id}:0"
+        assert state.registry.train_group_counts() == (1, 1)
+
+        # A malformed reward record goes to the DLQ; the events behind it (same partition) still count.
+        await producer.send_and_wait(topics.REWARDS, b"{not json", key=req.task.task_id.encode())
+        for i, passed in enumerate([True, False]):
+            await _produce(producer, topics.REWARDS, _reward(req, i, passed), req.task.task_id)
+        await _produce(producer, topics.REWARDS, _reward(req, 0, True), req.task.task_id)  # redelivery
+
+        done = await wait_for(lambda: state.registry.get_group(req.group_id)["state"] == "complete")
+        assert done, state.registry.get_group(req.group_id)
+        t = (await client.get(f"/v1/tasks/{req.task.task_id}")).json()
+        assert (t["samples"], t["passes"], t["pass_rate"], t["groups_issued"]) == (2, 1, 0.5, 1)
+        dlq = await reader(topics.DLQ)
+        dead = await collect(dlq, DeadLetter, lambda d: d.source_topic == topics.REWARDS
+                             and d.payload == "{not json" and d.consumer == "scheduler", want=1)
+        assert dead and "not JSON" in dead[0].reason
+
+        # Still at v = 0: the total cap holds the second group back.
+        more = await collect(requests, RolloutRequest, mine, want=1, timeout_s=1.0)
+        assert more == []
+
+        wu = WeightUpdate(model=f"m-{unique}", version=1, step=1, manifest=[], checksum="sha256:x", path="/x")
+        await _produce(producer, topics.WEIGHTS, wu, wu.model)
+        step = 10_000 + int(unique, 16) % 1_000_000
+        await _produce(producer, topics.METRICS,
+                       Metrics(source="trainer", step=step, policy_version=1, values={"loss/total": 0.25}), "trainer")
+        second = await collect(requests, RolloutRequest, mine, want=1)
+        assert len(second) == 1 and second[0].group_id != req.group_id
+        assert second[0].task.task_id != req.task.task_id  # fewest groups issued first
+
+        st = (await client.get("/v1/status")).json()
+        assert st["policy_version"] == 1 and st["completed_groups"] == 1 and st["in_flight_groups"] == 1
+        assert st["samples_scored"] == 2 and st["train_reward_mean"] == 0.5
+        assert st["staleness"] == {"mean": 0.0, "max": 0.0} and st["throughput_samples_per_s"] > 0
+        hist = await wait_for(lambda: [h for h in state.stats.history() if h["step"] == step])
+        assert hist and hist[0]["values"] == {"loss/total": 0.25}
+        got = (await client.get("/v1/metrics/history")).json()
+        assert any(h["step"] == step for h in got) and [h["step"] for h in got] == sorted(h["step"] for h in got)
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 10  # shutdown is bounded
+    assert state.sampler._task is None
+
+
+async def test_eval_before_training_then_rest_eval_round(make_config, kafka_cfg, unique, running, task, kafka_io):
+    producer, reader = kafka_io
+    train_id, eval_ids = f"{unique}-tr", [f"{unique}-e{i}" for i in range(2)]
+    requests = await reader(topics.ROLLOUT_REQUESTS)
+    mine = lambda r: r.task.task_id in (train_id, *eval_ids)  # noqa: E731
+    async with running(_cfg(make_config, kafka_cfg, unique, eval_before_training=True)) as (client, state):
+        body = {"tasks": [task(train_id)] + [task(e, split="eval") for e in eval_ids]}
+        assert (await client.post("/v1/tasks", json=body)).status_code == 202
+
+        evals = await collect(requests, RolloutRequest, mine, want=2, settle_s=1.0)
+        assert sorted(r.task.task_id for r in evals) == eval_ids, evals  # no training request yet
+        assert all(r.purpose == "eval" and r.n == 1 and r.sampling.temperature == 0.0 and r.eval_round == 0
+                   for r in evals)
+        for r, passed in zip(evals, [True, False]):
+            await _produce(producer, topics.REWARDS, _reward(r, 0, passed, v=0), r.task.task_id)
+        train = await collect(requests, RolloutRequest, mine, want=1)
+        assert [r.purpose for r in train] == ["train"] and train[0].task.task_id == train_id
+        r0 = (await client.get("/v1/evals/0")).json()
+        assert (r0["n"], r0["completed"], r0["correct"], r0["accuracy"], r0["done"]) == (2, 2, 1, 0.5, True)
+        assert r0["policy_versions"] == [0] and r0["min_policy_version"] == 0
+
+        resp = await client.post("/v1/evals", json={"min_policy_version": 2})
+        assert resp.status_code == 202 and resp.json() == {"eval_round": 1}
+        again = await collect(requests, RolloutRequest, lambda r: mine(r) and r.eval_round == 1, want=2)
+        assert len(again) == 2 and all(r.min_policy_version == 2 and r.sampling.temperature == 0 for r in again)
+        for r in again:
+            await _produce(producer, topics.REWARDS, _reward(r, 0, True, v=2), r.task.task_id)
+        r1 = await wait_for(lambda: (s := state.registry.eval_round(1))["done"] and s)
+        assert r1 and r1["accuracy"] == 1.0 and r1["policy_versions"] == [2]
+        listed = (await client.get("/v1/evals")).json()
+        assert [e["eval_round"] for e in listed] == [0, 1]
+        assert [e["accuracy"] for e in (await client.get("/v1/status")).json()["evals"]] == [0.5, 1.0]
+
+
+async def test_deadline_reissues_same_group_then_abandons(make_config, kafka_cfg, unique, running, task, kafka_io):
+    _, reader = kafka_io
+    tid = f"{unique}-slow"
+    requests = await reader(topics.ROLLOUT_REQUESTS)
+    cfg = _cfg(make_config, kafka_cfg, unique, group_deadline_s=0.5, max_attempts=2)
+    async with running(cfg) as (client, state):
+        assert (await client.post("/v1/tasks", json={"tasks": [task(tid)]})).status_code == 202
+        seen = await collect(requests, RolloutRequest, lambda r: r.task.task_id == tid, want=3)
+        assert [(r.group_id, r.attempt) for r in seen] == [(f"{tid}:0", 1), (f"{tid}:0", 2), (f"{tid}:1", 1)]
+        st = (await client.get("/v1/status")).json()
+        assert st["abandoned_groups"] >= 1
+        assert state.registry.get_group(f"{tid}:0")["state"] == "abandoned"

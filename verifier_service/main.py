@@ -1,0 +1,178 @@
+"""The verifier service: flywheel.trajectories in, flywheel.scored and flywheel.rewards out.
+
+At-least-once (DESIGN.md, "Delivery semantics"): a batch's offsets are committed only after
+every ScoredTrajectory, RewardEvent and dead letter it produced is acknowledged. The service is
+stateless; a redelivered trajectory is scored again and deduplicated downstream by trajectory_id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from aiokafka import ConsumerRecord
+from opentelemetry import trace
+
+from shared import topics
+from shared.config import FlywheelConfig
+from shared.kafka import (
+    commit_batch,
+    decode_or_dead_letter,
+    install_stop_signals,
+    make_consumer,
+    make_producer,
+    send,
+)
+from shared.schemas import Metrics, Reward, RewardEvent, ScoredTrajectory, Trajectory
+from shared.telemetry import extract_context, setup_logging, setup_tracing
+from verifier_service.config import VerifierConfig
+from verifier_service.scorers import Scorer
+
+SERVICE = "verifier"
+log = logging.getLogger(__name__)
+
+
+async def score_with_retries(scorer: Scorer, cfg: VerifierConfig, traj: Trajectory) -> Reward:
+    """Score one trajectory, retrying infrastructure failures up to ``cfg.infra_retries`` times.
+
+    The sleep before retry ``i`` (0-based) is ``retry_backoff_s * 2**i`` seconds. Trajectories that
+    ended with finish_reason ``error``/``abort`` are not scored: infra_error with the reason. A
+    misconfigured spec (``details.misconfigured``) is not retried.
+    """
+    if traj.finish_reason in ("error", "abort"):
+        return Reward(
+            total=0.0, infra_error=True,
+            details={"reason": f"generation ended with finish_reason={traj.finish_reason}", "error": traj.error},
+        )
+    attempts = 0
+    while True:
+        reward = await scorer.score(traj.task.verifier, traj.completion_text)
+        attempts += 1
+        if not reward.infra_error or reward.details.get("misconfigured") or attempts > cfg.infra_retries:
+            break
+        delay = cfg.retry_backoff_s * 2 ** (attempts - 1)
+        log.info("retrying %s in %.1f s after infra error (%d/%d): %s", traj.trajectory_id, delay, attempts,
+                 cfg.infra_retries, reward.details.get("reason"))
+        await asyncio.sleep(delay)
+    if reward.infra_error:
+        reward.details["attempts"] = attempts
+    return reward
+
+
+def reward_event(traj: Trajectory, reward: Reward) -> RewardEvent:
+    """The light flywheel.rewards summary of one scored trajectory."""
+    t = traj.task
+    return RewardEvent(
+        task_id=t.task_id, group_id=traj.group_id, trajectory_id=traj.trajectory_id,
+        sample_index=traj.sample_index, group_size=traj.group_size, domain=t.domain, difficulty=t.difficulty,
+        purpose=traj.purpose, attempt=traj.attempt, eval_round=traj.eval_round, reward=reward.total,
+        passed=reward.total >= 1.0 and not reward.infra_error, infra_error=reward.infra_error,
+        completion_tokens=len(traj.completion_ids), finish_reason=traj.finish_reason,
+        policy_version=traj.behaviour_version,
+    )
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self.values: dict[str, float] = {
+            "verifier/scored": 0, "verifier/passed": 0, "verifier/infra_errors": 0, "verifier/dlq": 0,
+            "verifier/batches": 0, "verifier/score_seconds_total": 0.0,
+        }
+
+    def add(self, name: str, v: float = 1) -> None:
+        self.values[f"verifier/{name}"] += v
+
+    def snapshot(self) -> dict[str, float]:
+        out = dict(self.values)
+        n = out["verifier/scored"]
+        out["verifier/score_seconds_mean"] = out["verifier/score_seconds_total"] / n if n else 0.0
+        return out
+
+
+async def _handle(
+    msg: ConsumerRecord, producer: Any, scorer: Scorer, cfg: VerifierConfig, tracer: trace.Tracer,
+    counters: _Counters,
+) -> None:
+    traj = await decode_or_dead_letter(producer, msg, Trajectory, SERVICE)
+    if traj is None:
+        counters.add("dlq")
+        return
+    with tracer.start_as_current_span(
+        "verify", context=extract_context(msg.headers),
+        attributes={"trajectory_id": traj.trajectory_id, "group_id": traj.group_id,
+                    "verifier.kind": traj.task.verifier.kind},
+    ) as span:
+        t0 = time.perf_counter()
+        reward = await score_with_retries(scorer, cfg, traj)
+        dt = time.perf_counter() - t0
+        span.set_attribute("reward", reward.total)
+        span.set_attribute("infra_error", reward.infra_error)
+        futs = [
+            await send(producer, topics.SCORED, ScoredTrajectory(trajectory=traj, reward=reward), traj.group_id),
+            await send(producer, topics.REWARDS, reward_event(traj, reward), traj.task.task_id),
+        ]
+        await asyncio.gather(*futs)
+    counters.add("scored")
+    counters.add("score_seconds_total", dt)
+    if reward.infra_error:
+        counters.add("infra_errors")
+    elif reward.total >= 1.0:
+        counters.add("passed")
+    log.info("scored %s kind=%s reward=%.1f infra=%s in %.3f s", traj.trajectory_id, traj.task.verifier.kind,
+             reward.total, reward.infra_error, dt)
+
+
+async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None:
+    """Run the verifier until ``stop`` is set (SIGTERM/SIGINT set it when ``stop`` is None).
+
+    Consumes flywheel.trajectories in group ``config.verifier.consumer_group``, scores every
+    record, produces ScoredTrajectory (key group_id) and RewardEvent (key task_id), then commits.
+    Malformed records go to flywheel.dlq. Publishes Metrics every ``metrics_interval_s`` seconds.
+
+    Raises:
+        asyncio.CancelledError: when the task is cancelled (clients are closed first).
+        aiokafka.errors.KafkaError: the broker cannot be reached or refuses a write (nothing is
+            committed for the batch in progress, so it is redelivered after a restart).
+    """
+    vcfg = config.verifier
+    setup_logging(SERVICE, config.run.log_level, config.run.path("logs"))
+    tracer = setup_tracing(SERVICE)
+    if stop is None:
+        stop = asyncio.Event()
+        install_stop_signals(stop)
+    consumer = make_consumer(config.kafka, topics.TRAJECTORIES, group_id=vcfg.consumer_group, client_id=SERVICE)
+    producer = make_producer(config.kafka, client_id=SERVICE)
+    scorer = Scorer(vcfg)
+    counters = _Counters()
+    started = False
+    try:
+        await producer.start()
+        await consumer.start()
+        started = True
+        log.info("verifier started (group %s, sandbox %s)", vcfg.consumer_group, vcfg.sandbox_url)
+        next_metrics = time.monotonic() + vcfg.metrics_interval_s
+        while not stop.is_set():
+            batch = await consumer.getmany(timeout_ms=200, max_records=vcfg.max_batch)
+            if batch:
+                msgs = [m for part in batch.values() for m in part]
+                await asyncio.gather(*(_handle(m, producer, scorer, vcfg, tracer, counters) for m in msgs))
+                await commit_batch(consumer, batch)
+                counters.add("batches")
+            if time.monotonic() >= next_metrics:
+                next_metrics = time.monotonic() + vcfg.metrics_interval_s
+                await (await send(producer, topics.METRICS, Metrics(source=SERVICE, values=counters.snapshot()),
+                                  SERVICE))
+        log.info("verifier stopping: %s", counters.snapshot())
+    except asyncio.CancelledError:
+        log.info("verifier cancelled")
+        raise
+    finally:
+        await scorer.close()
+        for client in (consumer, producer):
+            try:
+                await client.stop()
+            except Exception:  # noqa: BLE001 - closing after a failure; keep the original error
+                if started:
+                    log.exception("closing %s failed", type(client).__name__)
