@@ -92,7 +92,7 @@ async def test_unknown_task_and_eval_round_are_404_and_eval_without_eval_tasks_i
 
 def test_task_create_mirrors_task_fields():
     """TaskCreate must stay the Task record minus schema/version (so validation is identical)."""
-    assert set(TaskCreate.model_fields) == set(Task.model_fields) - {"schema_", "version"}
+    assert set(TaskCreate.model_fields) == set(Task.model_fields) - {"schema_", "schema_version"}
     for name, f in TaskCreate.model_fields.items():
         if name != "task_id":
             assert f.annotation == Task.model_fields[name].annotation, name
