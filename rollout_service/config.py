@@ -14,8 +14,11 @@ class RolloutConfig(BaseModel):
     """Generation backend: ``torch`` (in-process transformers, CPU default) or ``sglang`` (HTTP server)."""
     sglang_url: str = "http://127.0.0.1:30000"
     """Base URL of the SGLang server when ``engine == "sglang"``."""
-    max_batch_requests: int = Field(4, ge=1, le=1024)
-    """Rollout requests taken from Kafka and generated together in one batch (backpressure bound)."""
+    max_batch_requests: int = Field(32, ge=1, le=4096)
+    """Most rollout requests taken from Kafka and generated together in one batch."""
+    max_batch_samples: int = Field(32, ge=1, le=65536)
+    """Most samples (Σ n over requests) per generation batch: requests are taken until this is reached,
+    the rest stay in Kafka for other replicas (backpressure). A single larger request still runs alone."""
     torch_threads: int = Field(1, ge=1, le=256)
     """``torch.set_num_threads`` for this process; two cores must not be oversubscribed."""
     dtype: Literal["float32", "bfloat16"] = "float32"

@@ -127,13 +127,7 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
     last_metrics = time.monotonic()
     try:
         while not stop.is_set():
-            batch = await requests.getmany(timeout_ms=200, max_records=cfg.max_batch_requests)
-            reqs: list[RolloutRequest] = []
-            for msgs in batch.values():
-                for msg in msgs:
-                    r = await kafka.decode_or_dead_letter(producer, msg, RolloutRequest, "rollout")
-                    if r is not None:
-                        reqs.append(r)
+            batch, reqs = await _take_requests(requests, producer, cfg.max_batch_requests, cfg.max_batch_samples)
             await apply_newest(engine, watcher)
             if reqs:
                 await _wait_for_version(engine, watcher, max(r.min_policy_version for r in reqs), stop, cfg.weight_poll_s)
@@ -158,6 +152,35 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
             except Exception:  # noqa: BLE001 - best effort
                 log.exception("error closing %s", c)
         engine.close()
+
+
+async def _take_requests(consumer, producer, max_requests: int, max_samples: int):
+    """Take requests one record at a time until ``max_samples`` samples or ``max_requests`` requests.
+
+    Returns the raw records per partition (for the commit) and the decoded requests; malformed
+    records are dead-lettered (and still committed).
+    """
+    taken: dict = {}
+    reqs: list[RolloutRequest] = []
+    samples = 0
+    while samples < max_samples and len(reqs) < max_requests:
+        if reqs:  # peek: would the next one fit?
+            batch = await consumer.getmany(timeout_ms=0, max_records=1)
+        else:
+            batch = await consumer.getmany(timeout_ms=200, max_records=1)
+        if not batch:
+            break
+        for tp, msgs in batch.items():
+            for msg in msgs:
+                r = await kafka.decode_or_dead_letter(producer, msg, RolloutRequest, "rollout")
+                if r is not None and reqs and samples + r.n > max_samples:
+                    consumer.seek(tp, msg.offset)  # does not fit: leave it for the next batch
+                    return taken, reqs
+                taken.setdefault(tp, []).append(msg)
+                if r is not None:
+                    reqs.append(r)
+                    samples += r.n
+    return taken, reqs
 
 
 async def _wait_for_version(engine: Engine, watcher: WeightWatcher, version: int, stop: asyncio.Event,

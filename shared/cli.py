@@ -110,6 +110,7 @@ def run(
 ) -> None:
     """Train end to end: start everything, submit the config's tasks, train, evaluate before/after, stop."""
     logging.basicConfig(level=logging.WARNING)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the services too, not only Ctrl-C
     t0 = time.monotonic()
     system, cfg = _start(config, set_, run_dir, fresh=True)
     try:
@@ -123,6 +124,10 @@ def run(
     if report:
         png = write_report(report, result)
         console.print(f"report: {report} (plot {png})")
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _fmt(ev: dict | None) -> str:

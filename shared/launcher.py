@@ -149,6 +149,8 @@ class LocalSystem:
             sp.restarts += 1
             notes.append(msg + f"\nrestarting {name} ({sp.restarts}/{self.max_restarts})")
             self._spawn(name)
+        if notes:
+            self.write_state()
         return notes
 
     def stop(self, timeout_s: float = 20.0) -> None:

@@ -23,9 +23,10 @@ class TaskSourceConfig(BaseModel):
     dataset: str = "basic_arithmetic"
     """reasoning-gym dataset name."""
     dataset_config: dict[str, Any] = Field(default_factory=lambda: {
-        "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"]})
+        "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"],
+        "allow_negation": False, "allow_parentheses": False})
     """Keyword arguments of the dataset's config (difficulty knobs)."""
-    train_size: int = Field(256, ge=1, le=1_000_000)
+    train_size: int = Field(128, ge=1, le=1_000_000)
     """Training tasks submitted."""
     eval_size: int = Field(64, ge=0, le=100_000)
     """Held-out tasks (greedy, one sample each)."""

@@ -61,16 +61,20 @@ def collate(rows: list[ScoredTrajectory], pad_id: int, dtype: torch.dtype = torc
     return Batch(ids, attn, pos, comp, blp, mask, P)
 
 
-def completion_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """log π_θ of each completion token: ``[B, T]`` float.
+def completion_logprobs(model: torch.nn.Module, batch: Batch, autocast_bf16: bool = False) -> torch.Tensor:
+    """log π_θ of each completion token: ``[B, T]`` float32.
 
     Only completion positions go through the output layer (prompt positions are never scored).
+    With ``autocast_bf16`` the transformer body runs in bf16; the output layer and log-softmax in float32.
     """
-    out = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                      position_ids=batch.position_ids)
+    device_type = batch.input_ids.device.type
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast_bf16):
+        out = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                          position_ids=batch.position_ids)
     P, T = batch.prompt_width, batch.completion_ids.shape[1]
     hidden = out.last_hidden_state[:, P - 1:P - 1 + T]
-    logits = model.lm_head(hidden).float()
+    w = model.lm_head.weight
+    logits = torch.nn.functional.linear(hidden.to(w.dtype), w).float()
     return torch.log_softmax(logits, dim=-1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
 
 
@@ -108,7 +112,7 @@ class PolicyTrainer:
         mb = self.cfg.micro_batch_size
         for i in range(0, len(rows), mb):
             batch = collate(rows[i:i + mb], self.pad_id)
-            logprobs = completion_logprobs(self.model, batch)
+            logprobs = completion_logprobs(self.model, batch, self.cfg.autocast_bf16)
             loss, m = grpo_loss(logprobs, batch.behaviour_logprobs, advantages[i:i + mb], batch.loss_mask,
                                 normalizer, self.loss_cfg)
             loss.backward()

@@ -1,0 +1,27 @@
+# One image for every Flywheel service; docker-compose.yml picks the service with `command`.
+FROM python:3.11-slim
+
+# util-linux: `unshare --net` gives each sandbox run a private network namespace.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends util-linux \
+    && rm -rf /var/lib/apt/lists/*
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+COPY pyproject.toml ./
+COPY shared ./shared
+COPY rollout_service ./rollout_service
+COPY trainer_service ./trainer_service
+COPY verifier_service ./verifier_service
+COPY sandbox_service ./sandbox_service
+COPY scheduler_service ./scheduler_service
+# Every dependency, torch included, comes from the pins in pyproject.toml.
+RUN pip install .
+COPY examples ./examples
+
+VOLUME ["/data"]
+ENV FLYWHEEL_RUN__DIR=/data
+CMD ["flywheel", "--help"]

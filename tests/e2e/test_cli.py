@@ -1,0 +1,109 @@
+"""End to end through the CLI: five service processes, the embedded broker, a tiny model, a toy domain."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from shared.model import build_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _flywheel(*args, cwd, timeout=600, check=True):
+    r = subprocess.run([sys.executable, "-m", "shared.cli", *args], cwd=cwd, capture_output=True, text=True,
+                       timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"flywheel {' '.join(args)} -> {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+
+
+def test_run_trains_toy_domain_and_reward_rises(tiny, tmp_path):
+    report = tmp_path / "report.json"
+    r = _flywheel("run", str(ROOT / "examples/toy.yaml"), "--set", f"model.name={tiny}", "--set",
+                  f"run.dir={tmp_path / 'runs'}", "--report", str(report), "--timeout", "400", cwd=tmp_path)
+    rep = json.loads(report.read_text())
+    assert report.with_suffix(".png").stat().st_size > 1000
+    hist = rep["history"]
+    assert rep["steps"] == 25 and [h["step"] for h in hist] == list(range(1, 26))
+    first = sum(h["mean_reward"] for h in hist[:5]) / 5
+    last = sum(h["mean_reward"] for h in hist[-5:]) / 5
+    assert last > first + 0.15, (first, last, r.stdout[-2000:])
+    assert rep["eval"]["before"]["n"] == 16 and rep["eval"]["before"]["policy_version"] == 0
+    assert rep["eval"]["after"]["policy_version"] == 25
+    assert rep["eval"]["after"]["accuracy"] > rep["eval"]["before"]["accuracy"]
+    assert all(h["train/staleness_max"] <= 1 for h in hist)
+    # everything stopped: no process of the run is left
+    run_dir = Path(rep["run_dir"])
+    assert not (run_dir / "flywheel.json").exists()
+    out = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
+    assert out.stdout.strip() == ""
+
+
+def test_up_submit_status_supervise_down(tiny, tmp_path):
+    runs = tmp_path / "runs"
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"model: {{name: '{tiny}'}}\nrun: {{dir: '{runs}'}}\ntrainer: {{max_steps: 2}}\n"
+                   "scheduler: {max_tokens: 2}\n")
+    env = dict(os.environ, FLYWHEEL_CONFIG=str(cfg))
+    up = subprocess.Popen([sys.executable, "-m", "shared.cli", "up", str(cfg)], cwd=tmp_path, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        state_file = runs / "system" / "flywheel.json"
+        deadline = time.monotonic() + 180
+        while not state_file.exists():
+            assert up.poll() is None, up.stdout.read()
+            assert time.monotonic() < deadline, "system did not come up"
+            time.sleep(0.5)
+        state = json.loads(state_file.read_text())
+        tasks = tmp_path / "tasks.jsonl"
+        tasks.write_text("\n".join(json.dumps({"task_id": f"t{i}", "domain": "toy",
+                                               "prompt": [{"role": "user", "content": f"q{i}"}],
+                                               "verifier": {"kind": "regex", "pattern": "^a"},
+                                               "samples_per_task": 2}) for i in range(3)) + "\n")
+        sub = _flywheel("submit", str(tasks), cwd=tmp_path)
+        assert "submitted 3 tasks" in sub.stdout
+        t = httpx.get(f"{state['scheduler_url']}/v1/tasks/t0", timeout=5).json()
+        assert t["domain"] == "toy"
+        st = _flywheel("status", "--run-dir", str(runs / "system"), cwd=tmp_path)
+        assert "scheduler" in st.stdout and "running" in st.stdout and "policy_version" in st.stdout
+        # supervision: a killed service is reported and restarted
+        victim = state["services"]["verifier"]
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while json.loads(state_file.read_text())["services"]["verifier"] == victim:
+            assert time.monotonic() < deadline, "dead verifier was not restarted"
+            time.sleep(0.5)
+        new_state = json.loads(state_file.read_text())
+        assert _alive(new_state["services"]["verifier"])
+        _flywheel("down", "--run-dir", str(runs / "system"), cwd=tmp_path)
+        up.wait(60)
+        out = up.stdout.read()
+        assert "service verifier" in out and "exited with code -9" in out and "restarting verifier" in out
+        for pid in [new_state["broker_pid"], *new_state["services"].values()]:
+            assert not _alive(pid), f"pid {pid} still running"
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait(10)

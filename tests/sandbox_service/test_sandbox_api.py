@@ -1,0 +1,200 @@
+"""Sandbox service against its real executor: limits, isolation, HTTP contract."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from sandbox_service.api import create_app
+from sandbox_service.config import SandboxConfig
+
+
+@pytest.fixture(scope="module")
+def client():
+    """The app with lifespan (isolation probe) run, default limits, 2 slots."""
+    with TestClient(create_app(SandboxConfig(max_concurrency=2))) as c:
+        yield c
+
+
+def run(client: TestClient, code: str, **kw) -> dict:
+    r = client.post("/v1/execute", json={"code": code, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_hello_world_ok(client):
+    res = run(client, "print('hello world')")
+    assert res["status"] == "ok"
+    assert res["exit_code"] == 0
+    assert res["stdout"] == "hello world\n"
+    assert res["stderr"] == ""
+    assert not res["stdout_truncated"] and not res["stderr_truncated"]
+    assert res["run_id"] and res["wall_s"] > 0
+    assert res["degraded"] == ([] if res["network_isolated"] else ["network"])
+
+
+def test_stdin_and_files(client):
+    res = run(client, "import sys\nprint(sys.stdin.read().upper(), open('data/in.txt').read())",
+              stdin="abc", files={"data/in.txt": "xyz"})
+    assert res["status"] == "ok", res
+    assert res["stdout"] == "ABC xyz\n"
+
+
+def test_runtime_error(client):
+    res = run(client, "import sys\nprint('before')\nraise ValueError('boom')")
+    assert res["status"] == "runtime_error"
+    assert res["exit_code"] == 1
+    assert res["stdout"] == "before\n"
+    assert "ValueError: boom" in res["stderr"]
+    res = run(client, "import sys; sys.exit(7)")
+    assert (res["status"], res["exit_code"]) == ("runtime_error", 7)
+
+
+def test_infinite_loop_times_out(client):
+    t0 = time.monotonic()
+    res = run(client, "while True:\n    pass", timeout_s=1.0)
+    elapsed = time.monotonic() - t0
+    assert res["status"] == "timeout"
+    assert res["exit_code"] is not None and res["exit_code"] < 0
+    assert 0.9 <= res["wall_s"] < 3.0
+    assert elapsed < 3.0
+
+
+def test_sleeping_child_times_out(client):
+    res = run(client, "import time\ntime.sleep(30)", timeout_s=0.5)
+    assert res["status"] == "timeout"
+    assert res["wall_s"] < 2.5
+
+
+def test_memory_limit(client):
+    res = run(client, "x = bytearray(4 * 2**30)\nprint('allocated')", memory_mb=256)
+    assert res["status"] == "memory_limit", res
+    assert "MemoryError" in res["stderr"]
+    assert "allocated" not in res["stdout"]
+
+
+def test_output_capped_and_flagged(client):
+    res = run(client, "import sys\nsys.stdout.write('x' * 10_000_000)\nsys.stdout.flush()", output_limit_bytes=4096)
+    assert res["status"] == "output_limit"
+    assert res["stdout_truncated"] is True
+    assert res["stderr_truncated"] is False
+    assert res["stdout"] == "x" * 4096
+
+
+def test_output_just_under_cap_is_not_truncated(client):
+    res = run(client, "print('y' * 999, end='')", output_limit_bytes=1000)
+    assert res["status"] == "ok"
+    assert res["stdout_truncated"] is False and len(res["stdout"]) == 999
+
+
+def test_network_blocked(client):
+    if not client.get("/healthz").json()["network_isolated"]:
+        pytest.skip("unshare --net does not work on this machine: the sandbox runs degraded (no network isolation)")
+    accepted: list[object] = []
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        srv.settimeout(0.2)
+        port = srv.getsockname()[1]
+        stop = threading.Event()
+
+        def accept() -> None:
+            while not stop.is_set():
+                try:
+                    accepted.append(srv.accept())
+                except OSError:
+                    pass
+
+        t = threading.Thread(target=accept, daemon=True)
+        t.start()
+        code = (
+            "import socket\n"
+            "try:\n"
+            f"    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+            "    print('CONNECTED')\n"
+            "except OSError as e:\n"
+            "    print('BLOCKED', e.errno)\n"
+        )
+        res = run(client, code)
+        stop.set()
+        t.join(2)
+    assert res["status"] == "ok", res
+    assert res["stdout"].startswith("BLOCKED"), res["stdout"]
+    assert accepted == []
+
+
+def test_cwd_private_empty_and_removed(client):
+    code = "import os, json\nprint(json.dumps([os.getcwd(), sorted(os.listdir('.')), os.environ['HOME']]))\nopen('junk', 'w').write('x')"
+    first = run(client, code)
+    second = run(client, code)
+    assert first["status"] == "ok" and second["status"] == "ok"
+    cwd1, listing1, home1 = json.loads(first["stdout"])
+    cwd2, listing2, _ = json.loads(second["stdout"])
+    assert listing1 == [] and listing2 == []  # the previous run's 'junk' is not visible
+    assert cwd1 != cwd2 and cwd1 != os.getcwd()
+    assert home1 == cwd1
+    assert not Path(cwd1).exists() and not Path(cwd2).exists()
+    assert not Path(cwd1).parent.exists()  # the whole run directory (script included) is gone
+
+
+def test_env_does_not_leak(client, monkeypatch):
+    monkeypatch.setenv("FLYWHEEL_SECRET_TOKEN", "hunter2")
+    res = run(client, "import os, json\nprint(json.dumps(dict(os.environ)))")
+    env = json.loads(res["stdout"])
+    assert "FLYWHEEL_SECRET_TOKEN" not in env
+    assert "hunter2" not in res["stdout"]
+    assert set(env) <= {"PATH", "HOME", "TMPDIR", "LANG", "PYTHONDONTWRITEBYTECODE", "LC_CTYPE"}
+
+
+def test_missing_code_is_422_naming_field(client):
+    r = client.post("/v1/execute", json={"stdin": "x"})
+    assert r.status_code == 422
+    assert any(e["loc"][-1] == "code" for e in r.json()["detail"])
+
+
+def test_wrong_timeout_type_is_422_naming_field(client):
+    r = client.post("/v1/execute", json={"code": "print(1)", "timeout_s": "soon"})
+    assert r.status_code == 422
+    assert any(e["loc"][-1] == "timeout_s" for e in r.json()["detail"])
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"code": ""}, "code"),
+    ({"code": "1", "language": "ruby"}, "language"),
+    ({"code": "1", "files": {"../escape.py": "x"}}, "files"),
+    ({"code": "1", "files": {"/etc/passwd": "x"}}, "files"),
+    ({"code": "1", "unknown": 1}, "unknown"),
+    ({"code": "1", "timeout_s": -1}, "timeout_s"),
+])
+def test_invalid_bodies_are_422(client, body, field):
+    r = client.post("/v1/execute", json=body)
+    assert r.status_code == 422, r.text
+    assert any(field in e["loc"] for e in r.json()["detail"]), r.json()
+
+
+def test_healthz_counts_runs():
+    with TestClient(create_app(SandboxConfig())) as c:
+        before = c.get("/healthz").json()
+        assert before["status"] == "ok"
+        assert before["runs"]["ok"] == 0
+        assert isinstance(before["network_isolated"], bool)
+        run(c, "print(1)")
+        run(c, "raise SystemExit(2)")
+        after = c.get("/healthz").json()["runs"]
+        assert after["ok"] == 1 and after["runtime_error"] == 1
+
+
+def test_bad_interpreter_is_infra_error():
+    with TestClient(create_app(SandboxConfig(python="/nonexistent/python3"))) as c:
+        res = run(c, "print(1)")
+        assert res["status"] == "infra_error"
+        assert res["exit_code"] is None
+        assert "sandbox" in res["stderr"]
+        assert c.get("/healthz").json()["runs"]["infra_error"] == 1
