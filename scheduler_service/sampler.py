@@ -25,6 +25,7 @@ import logging
 import random
 from typing import TYPE_CHECKING
 
+from opentelemetry import trace
 from aiokafka import AIOKafkaConsumer
 
 from shared import topics
@@ -197,7 +198,12 @@ class Sampler:
             aiokafka.errors.KafkaError: a send failed (the rows stay ``issued``; the deadline re-issues them).
         """
         producer = self.state.producer
-        futs = [await send(producer, topics.ROLLOUT_REQUESTS, self._request(g), key=g.group_id) for g in groups]
+        tracer = trace.get_tracer("scheduler")
+        futs = []
+        for g in groups:  # one trace per group: rollout, verifier and trainer continue it via record headers
+            with tracer.start_as_current_span("issue_group", attributes={"group_id": g.group_id,
+                                                                         "purpose": g.purpose, "attempt": g.attempt}):
+                futs.append(await send(producer, topics.ROLLOUT_REQUESTS, self._request(g), key=g.group_id))
         await asyncio.gather(*futs)
         for g in groups:
             log.info("issued group %s (%s, attempt %d, n=%d)", g.group_id, g.purpose, g.attempt, g.n)

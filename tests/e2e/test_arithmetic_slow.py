@@ -1,0 +1,28 @@
+"""The main job: SmolLM2-135M-Instruct learns basic arithmetic through all five services (~12 min).
+
+Run with ``python3 -m pytest -q -m slow``.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_smollm2_arithmetic_held_out_accuracy_rises(tmp_path):
+    report = tmp_path / "arithmetic.json"
+    subprocess.run([sys.executable, "-m", "shared.cli", "run", str(ROOT / "examples/arithmetic.yaml"),
+                    "--report", str(report), "--set", f"run.dir={tmp_path}/runs", "--timeout", "1500"],
+                   check=True, cwd=tmp_path, timeout=1700)
+    rep = json.loads(report.read_text())
+    before, after = rep["eval"]["before"], rep["eval"]["after"]
+    assert before["n"] == after["n"] == 64
+    assert after["accuracy"] >= 0.75, rep["eval"]
+    assert after["accuracy"] > before["accuracy"] + 0.2
+    assert rep["steps"] == 30 and rep["wall_seconds"] < 15 * 60
