@@ -166,10 +166,16 @@ def _train(system: LocalSystem, cfg, t0: float, timeout_s: float) -> dict:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"training did not reach {max_steps} steps in {timeout_s:.0f} s")
             time.sleep(2.0)
-    before = next((e for e in sorted(eval_rows.values(), key=lambda e: e["eval_round"])), None)
+    before = next((e for e in sorted(eval_rows.values(), key=lambda e: e["eval_round"])
+                   if e["min_policy_version"] == 0), None)
     after = None
     if n_eval:
-        rid = httpx.post(f"{url}/v1/evals", json={"min_policy_version": max_steps}, timeout=10).json()["eval_round"]
+        rounds = httpx.get(f"{url}/v1/evals", timeout=10).json()
+        # reuse a round the scheduler already started at the final version (eval_every), else ask for one
+        rid = next((e["eval_round"] for e in rounds if e["min_policy_version"] >= max_steps), None)
+        if rid is None:
+            rid = httpx.post(f"{url}/v1/evals", json={"min_policy_version": max_steps},
+                             timeout=10).json()["eval_round"]
         with console.status(f"final held-out evaluation at policy version {max_steps}"):
             after = _wait_eval(system, rid, max(60.0, deadline - time.monotonic()))
     history = httpx.get(f"{url}/v1/metrics/history", timeout=10).json()
