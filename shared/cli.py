@@ -2,7 +2,7 @@
 
     flywheel run examples/arithmetic.yaml --report runs/arithmetic.json
     flywheel up examples/arithmetic.yaml        # serve until Ctrl-C or `flywheel down`
-    flywheel submit tasks.jsonl                 # one task object per line (see docs/tasks.md)
+    flywheel submit tasks.jsonl                 # one task object per line (format in README.md)
     flywheel status
     flywheel down
 """

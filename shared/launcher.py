@@ -78,7 +78,8 @@ class LocalSystem:
             bootstrap_servers = broker.bootstrap_servers
         sandbox_port, scheduler_port = free_port(), free_port()
         env = dict(os.environ)
-        env.update({
+        env.update(overrides or {})
+        env.update({  # what this system instance decides wins over the overrides
             "FLYWHEEL_CONFIG": str(Path(config_path).resolve()),
             "FLYWHEEL_RUN__DIR": str(run_dir),
             "FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS": bootstrap_servers,
@@ -89,7 +90,6 @@ class LocalSystem:
             "OMP_NUM_THREADS": "1",
             "TOKENIZERS_PARALLELISM": "false",
         })
-        env.update(overrides or {})
         system = cls(run_dir, env, broker, f"http://127.0.0.1:{scheduler_port}", f"http://127.0.0.1:{sandbox_port}")
         try:
             for name in SERVICES:

@@ -22,60 +22,83 @@ from trainer_service.losses.grpo import GRPOLossConfig, group_advantages, grpo_l
 
 @dataclass
 class Batch:
-    """Padded tensors of a list of trajectories.
+    """Padded tensors of a list of trajectories, each distinct prompt stored once.
 
-    ``input_ids``: ``[B, P + T]`` long, prompts left-padded to P, completions right-padded to T.
-    ``attention_mask``: ``[B, P + T]`` long. ``position_ids``: ``[B, P + T]`` long.
-    ``completion_ids``, ``behaviour_logprobs``, ``loss_mask``: ``[B, T]`` (long, float, float).
+    The K samples of a group share their prompt: it is encoded once and its key/value cache is
+    expanded to the rows (prefix sharing), which gives the same log-probs and gradients as encoding
+    every row in full at a fraction of the cost.
+
+    ``prompt_ids``, ``prompt_mask``: ``[U, P]`` long, the U distinct prompts left-padded to P.
+    ``prompt_lengths``: ``[U]`` long. ``row_prompt``: ``[B]`` long, the prompt of each row.
+    ``completion_ids``, ``completion_mask``: ``[B, T]`` long, right-padded completions and their
+    attention mask. ``behaviour_logprobs``, ``loss_mask``: ``[B, T]`` float.
     """
 
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    prompt_lengths: torch.Tensor
+    row_prompt: torch.Tensor
     completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
     behaviour_logprobs: torch.Tensor
     loss_mask: torch.Tensor
-    prompt_width: int
 
 
 def collate(rows: list[ScoredTrajectory], pad_id: int, dtype: torch.dtype = torch.float32) -> Batch:
-    """Pad ``rows`` into a :class:`Batch` (completion tokens all start at column ``P``)."""
-    P = max(len(r.trajectory.prompt_ids) for r in rows)
+    """Pad ``rows`` into a :class:`Batch`."""
+    prompts: dict[tuple[int, ...], int] = {}
+    row_prompt = [prompts.setdefault(tuple(r.trajectory.prompt_ids), len(prompts)) for r in rows]
+    P = max(len(p) for p in prompts)
     T = max(1, max(len(r.trajectory.completion_ids) for r in rows))
-    B = len(rows)
-    ids = torch.full((B, P + T), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, P + T), dtype=torch.long)
+    B, U = len(rows), len(prompts)
+    pids = torch.full((U, P), pad_id, dtype=torch.long)
+    pmask = torch.zeros((U, P), dtype=torch.long)
+    for p, u in prompts.items():
+        pids[u, P - len(p):] = torch.tensor(p)
+        pmask[u, P - len(p):] = 1
     comp = torch.full((B, T), pad_id, dtype=torch.long)
+    cmask = torch.zeros((B, T), dtype=torch.long)
     blp = torch.zeros((B, T), dtype=dtype)
     mask = torch.zeros((B, T), dtype=dtype)
     for i, r in enumerate(rows):
         tr = r.trajectory
-        p, c = len(tr.prompt_ids), len(tr.completion_ids)
-        ids[i, P - p:P] = torch.tensor(tr.prompt_ids)
-        attn[i, P - p:P + c] = 1
+        c = len(tr.completion_ids)
         if c:
-            ids[i, P:P + c] = torch.tensor(tr.completion_ids)
             comp[i, :c] = torch.tensor(tr.completion_ids)
+            cmask[i, :c] = 1
             blp[i, :c] = torch.tensor(tr.completion_logprobs, dtype=dtype)
             mask[i, :c] = torch.tensor(tr.loss_mask, dtype=dtype)
-    pos = (attn.cumsum(1) - 1).clamp(min=0)
-    return Batch(ids, attn, pos, comp, blp, mask, P)
+    return Batch(pids, pmask, pmask.sum(1), torch.tensor(row_prompt), comp, cmask, blp, mask)
 
 
 def completion_logprobs(model: torch.nn.Module, batch: Batch, autocast_bf16: bool = False) -> torch.Tensor:
-    """log π_θ of each completion token: ``[B, T]`` float32.
+    """log π_θ of each completion token: ``[B, T]``, float32 (float64 for a float64 model).
 
-    Only completion positions go through the output layer (prompt positions are never scored).
-    With ``autocast_bf16`` the transformer body runs in bf16; the output layer and log-softmax in float32.
+    Two passes of the transformer body: the U distinct prompts (with their key/value cache, which
+    keeps its autograd graph), then the B completions on top of the cache expanded to the rows.
+    Only completion positions go through the output layer. With ``autocast_bf16`` the body runs in
+    bf16; the output layer and log-softmax in float32.
     """
-    device_type = batch.input_ids.device.type
+    body = model.model
+    device_type = batch.prompt_ids.device.type
+    T = batch.completion_ids.shape[1]
     with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast_bf16):
-        out = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                          position_ids=batch.position_ids)
-    P, T = batch.prompt_width, batch.completion_ids.shape[1]
-    hidden = out.last_hidden_state[:, P - 1:P - 1 + T]
+        ppos = (batch.prompt_mask.cumsum(1) - 1).clamp(min=0)
+        pout = body(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, position_ids=ppos, use_cache=True)
+        cache = pout.cache
+        for layer in cache.layers:
+            layer.keys = layer.keys.index_select(0, batch.row_prompt)
+            layer.values = layer.values.index_select(0, batch.row_prompt)
+        cpos = batch.prompt_lengths[batch.row_prompt].unsqueeze(1) + torch.arange(T).unsqueeze(0)
+        attn = torch.cat([batch.prompt_mask.index_select(0, batch.row_prompt), batch.completion_mask], dim=1)
+        cout = body(input_ids=batch.completion_ids, attention_mask=attn, position_ids=cpos, cache=cache,
+                    use_cache=True)
+    # token t is predicted from the hidden state before it: the prompt's last one, then completion 0..T-2
+    first = pout.last_hidden_state[:, -1:].index_select(0, batch.row_prompt)
+    hidden = torch.cat([first, cout.last_hidden_state[:, :-1]], dim=1)
     w = model.lm_head.weight
-    logits = torch.nn.functional.linear(hidden.to(w.dtype), w).float()
+    logits = torch.nn.functional.linear(hidden.to(w.dtype), w)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return torch.log_softmax(logits, dim=-1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
 
 
@@ -106,8 +129,11 @@ class PolicyTrainer:
             raise ValueError("train_step needs at least one group")
         t0 = time.perf_counter()
         rows, advantages, zero_var = self._advantages(groups)
-        # similar lengths share a micro-batch (less padding); the result does not depend on the split
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i].trajectory.prompt_ids) + len(rows[i].trajectory.completion_ids))
+        # a group's rows share a micro-batch (one prompt pass), similar lengths together (less padding);
+        # the result does not depend on the split
+        order = sorted(range(len(rows)), key=lambda i: (len(rows[i].trajectory.prompt_ids),
+                                                        rows[i].trajectory.prompt_ids,
+                                                        len(rows[i].trajectory.completion_ids)))
         rows, advantages = [rows[i] for i in order], advantages[order]
         normalizer = max(1.0, float(sum(sum(r.trajectory.loss_mask) for r in rows)))
         self.model.train()

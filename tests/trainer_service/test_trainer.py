@@ -11,10 +11,11 @@ TASK = Task(task_id="t", domain="toy", prompt=[{"role": "user", "content": "q"}]
             verifier={"kind": "regex", "pattern": "^a"})
 
 
-def scored(gid, i, size=4, reward=1.0, version=0, comp=(5, 6, 7), lps=None, finish="stop", infra=False, mask=None):
+def scored(gid, i, size=4, reward=1.0, version=0, comp=(5, 6, 7), lps=None, finish="stop", infra=False, mask=None,
+           prompt=None):
     comp = list(comp)
     tr = Trajectory(trajectory_id=f"{gid}:1:{i}", group_id=gid, sample_index=i, group_size=size, task=TASK,
-                    prompt_ids=[1, 2, 3 + i % 2], completion_ids=comp,
+                    prompt_ids=list(prompt) if prompt else [1, 2, 3 + i % 2], completion_ids=comp,
                     completion_logprobs=list(lps) if lps else [-1.0] * len(comp),
                     loss_mask=list(mask) if mask else [1] * len(comp), completion_text="x", finish_reason=finish,
                     policy_versions=[{"version": version, "start": 0, "end": len(comp)}])
@@ -92,8 +93,11 @@ def test_gradient_does_not_depend_on_micro_batch_split(tiny):
     fill(buf, "g2", [0.5, 0.0, 1.0, 0.2], comp=(20, 21))
     groups = buf.take(2)
     g1, g2, g4 = (_grads(tiny, m, groups) for m in (8, 4, 2))
-    torch.testing.assert_close(g1, g2, rtol=1e-6, atol=1e-12)
-    torch.testing.assert_close(g1, g4, rtol=1e-6, atol=1e-12)
+    # relative to the gradient's norm: HF computes RoPE angles in float32, so float64 runs of different
+    # batch shapes agree to ~1e-8, not to float64 rounding
+    assert g1.norm() > 0
+    assert (g1 - g2).norm() / g1.norm() < 1e-6
+    assert (g1 - g4).norm() / g1.norm() < 1e-6
 
 
 def test_train_step_increments_version_and_all_equal_rewards_give_zero_gradient(tiny):
@@ -117,3 +121,28 @@ def test_trainer_logprobs_equal_a_plain_forward(tiny):
             logits = model(ids).logits[0, len(r.trajectory.prompt_ids) - 1:-1]
             ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r.trajectory.completion_ids)[:, None])[:, 0]
             torch.testing.assert_close(lp[i, :len(ref)], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prompt_logprobs_and_gradients_equal_separate_forwards(tiny):
+    """Prefix sharing (one prompt pass per group) matches a plain full-sequence forward per row."""
+    torch.manual_seed(0)
+    model = load_model(tiny).double()
+    rows = [scored("g", 0, comp=(5, 6, 7, 8)), scored("g", 2, comp=(9,)), scored("h", 1, comp=(11, 12)),
+            scored("g", 4, comp=(13, 14, 15)), scored("k", 0, comp=(16, 17), prompt=(30, 31, 32, 33, 34))]
+    b = collate(rows, pad_id=0)  # prompts: [1,2,3] x3 (indices 0,2,4), [1,2,4] x1 and one of length 5
+    assert b.prompt_ids.shape[0] == 3
+    lp = completion_logprobs(model, b)
+    (lp * b.loss_mask).sum().backward()
+    shared = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    total = 0
+    for i, r in enumerate(rows):
+        ids = torch.tensor([r.trajectory.prompt_ids + r.trajectory.completion_ids])
+        logits = model(ids).logits[0, len(r.trajectory.prompt_ids) - 1:-1]
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r.trajectory.completion_ids)[:, None])[:, 0]
+        torch.testing.assert_close(lp[i, :len(ref)].detach(), ref.detach(), atol=1e-6, rtol=1e-6)
+        total = total + ref.sum()
+    total.backward()
+    a = torch.cat([g.flatten() for g in shared])
+    b = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert (a - b).norm() / b.norm() < 1e-6  # float32 RoPE angles bound the agreement (see above)
