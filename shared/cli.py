@@ -51,8 +51,9 @@ def _load(config: Path, sets: list[str] | None):
                 os.environ[k] = v
 
 
-def _pointer(base: Path) -> Path:
-    return base / "current.json"
+def _pointer() -> Path:
+    """Where `up`/`run` record the running system for `submit`, `status` and `down` (in the working directory)."""
+    return Path(os.environ.get("FLYWHEEL_STATE_DIR", ".flywheel")) / "current.json"
 
 
 def _start(config: Path, sets: list[str] | None, run_dir: Path | None, fresh: bool) -> tuple[LocalSystem, object]:
@@ -64,8 +65,8 @@ def _start(config: Path, sets: list[str] | None, run_dir: Path | None, fresh: bo
         resolve_model_dir(cfg.model.name, cfg.model.cache_dir)
     with console.status("starting the broker and five services"):
         system = LocalSystem.start(config, run_dir, env)
-    base.mkdir(parents=True, exist_ok=True)
-    _pointer(base).write_bytes((system.run_dir / "flywheel.json").read_bytes())
+    _pointer().parent.mkdir(parents=True, exist_ok=True)
+    _pointer().write_bytes((system.run_dir / "flywheel.json").read_bytes())
     console.print(f"[green]system up[/]: scheduler {system.scheduler_url} (docs at /docs), "
                   f"broker {system.env['FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS']}, run dir {system.run_dir}")
     return system, cfg
@@ -238,7 +239,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def _state(run_dir: Path | None) -> dict:
-    p = (run_dir / "flywheel.json") if run_dir else _pointer(Path(os.path.expanduser(load_config().run.dir)))
+    p = (run_dir / "flywheel.json") if run_dir else _pointer()
     if not p.exists():
         console.print(f"no running system found ({p})")
         raise typer.Exit(1)

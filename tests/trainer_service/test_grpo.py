@@ -47,7 +47,7 @@ def test_masked_tokens_change_neither_loss_nor_gradient():
         lp = torch.tensor([[-0.9, middle, -1.1]], requires_grad=True)
         loss, _ = grpo_loss(lp, old, adv, mask, 2.0, cfg)
         loss.backward()
-        results.append((float(loss), lp.grad.clone()))
+        results.append((float(loss.detach()), lp.grad.clone()))
     assert results[0][0] == results[1][0]
     torch.testing.assert_close(results[0][1], results[1][1])
     assert results[0][1][0, 1] == 0
