@@ -17,7 +17,6 @@ import os
 import shutil
 from pathlib import Path
 
-import orjson
 import torch
 from safetensors.torch import load_file, save_file
 

@@ -117,8 +117,7 @@ def run(
     try:
         result = _train(system, cfg, t0, timeout)
     finally:
-        with console.status("stopping"):
-            system.stop()
+        _stop(system)
     before, after = result["eval"]["before"], result["eval"]["after"]
     console.print(f"held-out greedy accuracy: {_fmt(before)} -> {_fmt(after)} in {result['steps']} steps, "
                   f"{result['wall_seconds']:.0f} s")
@@ -208,23 +207,28 @@ def up(config: ConfigArg, set_: SetOpt = None, run_dir: RunDirOpt = None,
        submit: Annotated[Optional[Path], typer.Option(help="Also submit this JSONL task file.")] = None) -> None:
     """Start the broker and the five services and keep them running (supervised) until Ctrl-C or `flywheel down`."""
     logging.basicConfig(level=logging.WARNING)
+    signal.signal(signal.SIGTERM, _interrupt)  # `flywheel down` sends SIGTERM
     system, _ = _start(config, set_, run_dir, fresh=False)
-    stopping = {"flag": False}
-    signal.signal(signal.SIGTERM, lambda *_: stopping.update(flag=True))
     try:
         if submit:
             ids = submit_tasks(system.scheduler_url, _read_jsonl(submit))
             console.print(f"submitted {len(ids)} tasks")
-        while not stopping["flag"]:
+        while True:
             for note in system.check():
                 console.print(f"[yellow]{note}[/]")
             time.sleep(1.0)
     except KeyboardInterrupt:
         pass
     finally:
-        with console.status("stopping"):
-            system.stop()
+        _stop(system)
         console.print("system stopped")
+
+
+def _stop(system: LocalSystem) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the teardown short
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with console.status("stopping"):
+        system.stop()
 
 
 def _read_jsonl(path: Path) -> list[dict]:

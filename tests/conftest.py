@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -31,3 +32,26 @@ def kafka_cfg(broker) -> KafkaConfig:
 def unique() -> str:
     """A short unique suffix for topic names, consumer groups and ids, so tests never share state."""
     return uuid.uuid4().hex[:8]
+
+
+async def _read_topic(cfg: KafkaConfig, topic: str, cls, want: int, timeout_s: float = 60.0) -> list:
+    """Decode records of ``cls`` from ``topic`` (no group, from the earliest offset) until ``want`` or timeout."""
+    from shared import kafka
+    from shared.schemas import decode
+
+    c = kafka.make_consumer(cfg, topic, group_id=None)
+    await c.start()
+    out, deadline = [], time.monotonic() + timeout_s
+    try:
+        while len(out) < want and time.monotonic() < deadline:
+            for msgs in (await c.getmany(timeout_ms=200)).values():
+                out.extend(decode(m.value, cls) for m in msgs)
+    finally:
+        await c.stop()
+    return out
+
+
+@pytest.fixture
+def read_topic():
+    """``await read_topic(kafka_cfg, topic, RecordClass, want, timeout_s=60)`` → decoded records."""
+    return _read_topic

@@ -26,6 +26,9 @@ class TrainerConfig(BaseModel):
     """AdamW betas."""
     clip_eps: float = Field(0.2, gt=0, le=10.0)
     """PPO clip range ε: the ratio is clipped to [1 − ε, 1 + ε]."""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
+    """How the GRPO loss averages: over all tokens of the batch (DAPO) or per sequence then over sequences
+    (original GRPO). See ``trainer_service/losses/grpo.py``."""
     adv_eps: float = Field(1e-4, gt=0)
     """Floor added to the group reward std before dividing (keeps near-constant groups bounded)."""
     max_grad_norm: float = Field(1.0, gt=0)

@@ -17,7 +17,7 @@ import torch
 from shared.schemas import ScoredTrajectory
 from trainer_service.config import TrainerConfig
 from trainer_service.groups import Group
-from trainer_service.losses.grpo import GRPOLossConfig, group_advantages, grpo_loss
+from trainer_service.losses.grpo import GRPOLossConfig, batch_normalizer, group_advantages, grpo_loss
 
 
 @dataclass
@@ -112,7 +112,7 @@ class PolicyTrainer:
         self.model = model
         self.cfg = cfg
         self.pad_id = pad_id
-        self.loss_cfg = GRPOLossConfig(clip_eps=cfg.clip_eps, adv_eps=cfg.adv_eps)
+        self.loss_cfg = GRPOLossConfig(clip_eps=cfg.clip_eps, adv_eps=cfg.adv_eps, loss_agg=cfg.loss_agg)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay)
         self.step = 0
@@ -135,7 +135,8 @@ class PolicyTrainer:
                                                         rows[i].trajectory.prompt_ids,
                                                         len(rows[i].trajectory.completion_ids)))
         rows, advantages = [rows[i] for i in order], advantages[order]
-        normalizer = max(1.0, float(sum(sum(r.trajectory.loss_mask) for r in rows)))
+        n_tokens = max(1.0, float(sum(sum(r.trajectory.loss_mask) for r in rows)))
+        normalizer = batch_normalizer([r.trajectory.loss_mask for r in rows], self.loss_cfg)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
@@ -160,9 +161,9 @@ class PolicyTrainer:
         elapsed = time.perf_counter() - t0
         return {
             "loss/pg": sums["loss/pg"],
-            "loss/clip_frac": sums["loss/clip_frac_sum"] / normalizer,
-            "loss/kl_behaviour": sums["loss/kl_behaviour_sum"] / normalizer,
-            "loss/ratio_mean": sums["loss/ratio_sum"] / normalizer,
+            "loss/clip_frac": sums["loss/clip_frac_sum"] / n_tokens,
+            "loss/kl_behaviour": sums["loss/kl_behaviour_sum"] / n_tokens,
+            "loss/ratio_mean": sums["loss/ratio_sum"] / n_tokens,
             "train/grad_norm": float(grad_norm),
             "train/reward_mean": float(np.mean(rewards)),
             "train/pass_rate": float(np.mean([x >= 1.0 for x in rewards])),
@@ -175,8 +176,8 @@ class PolicyTrainer:
             "train/zero_variance_groups": float(zero_var),
             "train/groups": float(len(groups)),
             "train/samples": float(len(rows)),
-            "train/tokens": normalizer,
-            "train/tokens_per_s": normalizer / elapsed,
+            "train/tokens": n_tokens,
+            "train/tokens_per_s": n_tokens / elapsed,
             "time/train_step_s": elapsed,
         }
 

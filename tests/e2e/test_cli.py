@@ -24,6 +24,20 @@ def _alive(pid):
         return False
 
 
+def _procs_under(path: Path) -> list[int]:
+    """Pids of processes whose working directory is ``path`` or below (the services run in the run dir)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cwd = os.readlink(d / "cwd").removesuffix(" (deleted)")
+            except OSError:
+                continue
+            if cwd == str(path) or cwd.startswith(str(path) + "/"):
+                out.append(int(d.name))
+    return out
+
+
 def _flywheel(*args, cwd, timeout=600, check=True):
     r = subprocess.run([sys.executable, "-m", "shared.cli", *args], cwd=cwd, capture_output=True, text=True,
                        timeout=timeout)
@@ -57,8 +71,7 @@ def test_run_trains_toy_domain_and_reward_rises(tiny, tmp_path):
     # everything stopped: no process of the run is left
     run_dir = Path(rep["run_dir"])
     assert not (run_dir / "flywheel.json").exists()
-    out = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
-    assert out.stdout.strip() == ""
+    assert _procs_under(run_dir) == []
 
 
 def test_up_submit_status_supervise_down(tiny, tmp_path):
@@ -104,6 +117,12 @@ def test_up_submit_status_supervise_down(tiny, tmp_path):
         for pid in [new_state["broker_pid"], *new_state["services"].values()]:
             assert not _alive(pid), f"pid {pid} still running"
     finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait(10)
+        if up.poll() is None:  # the supervisor stops its services on SIGTERM
+            up.terminate()
+            try:
+                up.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(up.pid, signal.SIGKILL)
+                up.wait(10)
+        for pid in _procs_under(runs):  # whatever a failure left behind, stopped by pid
+            os.kill(pid, signal.SIGKILL)

@@ -1,7 +1,6 @@
 """The rollout service against a real broker: requests in, trajectories out, weight versions applied."""
 
 import asyncio
-import time
 
 import pytest
 import torch
@@ -12,27 +11,14 @@ from shared.broker import EmbeddedBroker
 from shared.checkpoint import CheckpointStore, snapshot_weights
 from shared.config import load_config
 from shared.model import build_tiny_model, load_model
-from shared.schemas import DeadLetter, RolloutRequest, SamplingParams, Task, Trajectory, decode
+from shared.schemas import DeadLetter, RolloutRequest, SamplingParams, Task, Trajectory
 
 TASK = Task(task_id="t", domain="toy", prompt=[{"role": "user", "content": "q"}],
             verifier={"kind": "regex", "pattern": "^a"})
 
 
-async def _read(cfg, topic, cls, want, timeout_s=60.0):
-    c = kafka.make_consumer(cfg, topic, group_id=None)
-    await c.start()
-    out, deadline = [], time.monotonic() + timeout_s
-    try:
-        while len(out) < want and time.monotonic() < deadline:
-            for msgs in (await c.getmany(timeout_ms=200)).values():
-                out.extend(decode(m.value, cls) for m in msgs)
-    finally:
-        await c.stop()
-    return out
-
-
 @pytest.mark.kafka
-async def test_requests_become_trajectories_and_new_weights_are_used(tmp_path):
+async def test_requests_become_trajectories_and_new_weights_are_used(tmp_path, read_topic):
     model_dir = build_tiny_model(tmp_path / "tiny")
     with EmbeddedBroker.start() as b:
         cfg = load_config(model={"name": str(model_dir)}, run={"dir": str(tmp_path / "run")},
@@ -48,11 +34,11 @@ async def test_requests_become_trajectories_and_new_weights_are_used(tmp_path):
             sp = SamplingParams(max_new_tokens=4)
             await (await kafka.send(p, topics.ROLLOUT_REQUESTS,
                                     RolloutRequest(group_id="g0", task=TASK, n=3, sampling=sp), "g0"))
-            trajs = await _read(cfg.kafka, topics.TRAJECTORIES, Trajectory, 3)
+            trajs = await read_topic(cfg.kafka, topics.TRAJECTORIES, Trajectory, 3)
             assert sorted(t.sample_index for t in trajs) == [0, 1, 2]
             assert all(t.group_id == "g0" and t.group_size == 3 and t.behaviour_version == 0 for t in trajs)
             assert all(len(t.completion_logprobs) == len(t.completion_ids) == len(t.loss_mask) for t in trajs)
-            dl = await _read(cfg.kafka, topics.DLQ, DeadLetter, 1)
+            dl = await read_topic(cfg.kafka, topics.DLQ, DeadLetter, 1)
             assert dl[0].source_topic == topics.ROLLOUT_REQUESTS and "task" in dl[0].reason
 
             # publish version 1 (different weights); a request that needs it waits for it and is tagged with it
@@ -67,7 +53,7 @@ async def test_requests_become_trajectories_and_new_weights_are_used(tmp_path):
                 min_policy_version=1), "g1"))
             await asyncio.sleep(1.0)
             await (await kafka.send(p, topics.WEIGHTS, upd, upd.model))
-            trajs = [t for t in await _read(cfg.kafka, topics.TRAJECTORIES, Trajectory, 5) if t.group_id == "g1"]
+            trajs = [t for t in await read_topic(cfg.kafka, topics.TRAJECTORIES, Trajectory, 5) if t.group_id == "g1"]
             assert len(trajs) == 2 and all(t.behaviour_version == 1 for t in trajs)
             assert service.done() is False
         finally:

@@ -51,3 +51,16 @@ def test_masked_tokens_change_neither_loss_nor_gradient():
     assert results[0][0] == results[1][0]
     torch.testing.assert_close(results[0][1], results[1][1])
     assert results[0][1][0, 1] == 0
+
+
+def test_seq_mean_aggregation_matches_hand_computed_example():
+    cfg = GRPOLossConfig(clip_eps=0.2, loss_agg="seq_mean_token_mean")
+    lp = torch.tensor([[-1.0, -2.0, -1.0], [-0.5, 0.0, 0.0]], requires_grad=True)
+    old = lp.detach().clone()  # ratio 1 everywhere
+    adv = torch.tensor([1.0, -2.0])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    loss, _ = grpo_loss(lp, old, adv, mask, normalizer=2.0, cfg=cfg)
+    # row 0: mean of three tokens of -1*1 = -1 ; row 1: one token of -(-2)*1 = 2 ; mean over 2 sequences
+    assert float(loss.detach()) == pytest.approx((-1.0 + 2.0) / 2.0)
+    loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([[-1 / 6, -1 / 6, -1 / 6], [1.0, 0.0, 0.0]]))

@@ -1,7 +1,6 @@
 """The trainer service against a real broker: redelivered samples never train twice, restarts resume."""
 
 import asyncio
-import time
 
 import pytest
 
@@ -9,7 +8,7 @@ from shared import kafka, topics
 from shared.broker import EmbeddedBroker
 from shared.config import load_config
 from shared.model import build_tiny_model
-from shared.schemas import Metrics, Reward, ScoredTrajectory, Task, Trajectory, WeightUpdate, decode
+from shared.schemas import Metrics, Reward, ScoredTrajectory, Task, Trajectory, WeightUpdate
 from trainer_service.main import run
 
 TASK = Task(task_id="t", domain="toy", prompt=[{"role": "user", "content": "q"}],
@@ -33,19 +32,6 @@ async def _produce(cfg, records):
         await p.stop()
 
 
-async def _read(cfg, topic, cls, want, timeout_s=60.0):
-    c = kafka.make_consumer(cfg, topic, group_id=None)
-    await c.start()
-    out, deadline = [], time.monotonic() + timeout_s
-    try:
-        while len(out) < want and time.monotonic() < deadline:
-            for msgs in (await c.getmany(timeout_ms=200)).values():
-                out.extend(decode(m.value, cls) for m in msgs)
-    finally:
-        await c.stop()
-    return out
-
-
 @pytest.fixture
 def setup(tmp_path):
     model = build_tiny_model(tmp_path / "tiny")
@@ -67,20 +53,20 @@ async def _with_trainer(cfg, body):
 
 
 @pytest.mark.kafka
-async def test_redelivered_trajectories_are_not_trained_twice_even_after_restart(setup):
+async def test_redelivered_trajectories_are_not_trained_twice_even_after_restart(setup, read_topic):
     cfg = setup
     g1 = [_scored("g1", 0, 1.0), _scored("g1", 1, 0.0)]
 
     async def first():
         await _produce(cfg.kafka, g1)
-        assert [w.version for w in await _read(cfg.kafka, topics.WEIGHTS, WeightUpdate, 1)] == [1]
+        assert [w.version for w in await read_topic(cfg.kafka, topics.WEIGHTS, WeightUpdate, 1)] == [1]
         await _produce(cfg.kafka, g1)  # redelivery of an already trained group
         await _produce(cfg.kafka, [_scored("g2", 0, 0.0), _scored("g2", 1, 1.0)])
-        ws = await _read(cfg.kafka, topics.WEIGHTS, WeightUpdate, 2)
+        ws = await read_topic(cfg.kafka, topics.WEIGHTS, WeightUpdate, 2)
         assert [w.version for w in ws] == [1, 2]
 
     await _with_trainer(cfg, first)
-    metrics = await _read(cfg.kafka, topics.METRICS, Metrics, 2)
+    metrics = await read_topic(cfg.kafka, topics.METRICS, Metrics, 2)
     assert metrics[-1].values["train/trained_groups_total"] == 2.0
     assert metrics[-1].values["train/duplicates_skipped_total"] == 2.0
 
@@ -88,8 +74,8 @@ async def test_redelivered_trajectories_are_not_trained_twice_even_after_restart
         # the restarted trainer resumes at version 2 and re-announces it; g1 again trains nothing
         await _produce(cfg.kafka, g1)
         await asyncio.sleep(3)
-        ws = await _read(cfg.kafka, topics.WEIGHTS, WeightUpdate, 3, timeout_s=10)
+        ws = await read_topic(cfg.kafka, topics.WEIGHTS, WeightUpdate, 3, timeout_s=10)
         assert [w.version for w in ws] == [1, 2, 2]
 
     await _with_trainer(cfg, after_restart)
-    assert len(await _read(cfg.kafka, topics.METRICS, Metrics, 3, timeout_s=5)) == 2
+    assert len(await read_topic(cfg.kafka, topics.METRICS, Metrics, 3, timeout_s=5)) == 2

@@ -6,16 +6,21 @@ Yu et al. 2025, §3.3):
     A_i      = (r_i − mean(r_group)) / (std(r_group) + ε_std)
     ρ_t      = exp(log π_θ(y_t) − log π_behaviour(y_t))
     ℓ_t      = −min(ρ_t · A_i, clip(ρ_t, 1 − ε, 1 + ε) · A_i)
-    loss     = Σ_t mask_t · ℓ_t / N_tokens
+    loss     = Σ_i Σ_t mask_it · ℓ_it / N_tokens                      (loss_agg = "token_mean", DAPO)
+    loss     = Σ_i (Σ_t mask_it · ℓ_it / |o_i|) / N_sequences          (loss_agg = "seq_mean_token_mean",
+                                                                        DeepSeekMath eq. 3; TRL loss_type="grpo")
 
-``N_tokens`` is the number of unmasked completion tokens in the *whole* optimizer batch, passed
-in as ``normalizer`` so that the gradient does not depend on how the batch is cut into
-micro-batches. std is the unbiased (Bessel-corrected) group std, as in TRL's GRPOTrainer.
+``N_tokens`` (unmasked completion tokens) or ``N_sequences`` is counted over the *whole* optimizer
+batch and passed in as ``normalizer``, so the gradient does not depend on how the batch is cut into
+micro-batches (:func:`batch_normalizer`). std is the unbiased (Bessel-corrected) group std, as in
+TRL's GRPOTrainer.
 """
 
 from __future__ import annotations
 
 import torch
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -27,6 +32,16 @@ class GRPOLossConfig(BaseModel):
     """ε of the clipped ratio."""
     adv_eps: float = Field(1e-4, gt=0)
     """ε_std added to the group std (bounds advantages of near-constant groups)."""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
+    """``token_mean``: every token of the batch weighs the same (DAPO). ``seq_mean_token_mean``: mean over
+    each sequence's tokens, then over sequences (the original GRPO; short answers weigh more per token)."""
+
+
+def batch_normalizer(loss_masks: list[list[int]], cfg: GRPOLossConfig) -> float:
+    """The loss denominator of a whole optimizer batch: unmasked tokens, or sequences (≥ 1)."""
+    if cfg.loss_agg == "token_mean":
+        return max(1.0, float(sum(sum(m) for m in loss_masks)))
+    return max(1.0, float(len(loss_masks)))
 
 
 def group_advantages(rewards: torch.Tensor, adv_eps: float) -> torch.Tensor:
@@ -62,13 +77,13 @@ def grpo_loss(
         behaviour_logprobs: ``[B, T]`` float, log-probs recorded by the rollout engine.
         advantages: ``[B]`` float, one per trajectory.
         mask: ``[B, T]`` float/bool, 1 on tokens that train (0 on padding and tool output).
-        normalizer: unmasked tokens in the whole optimizer batch (> 0).
+        normalizer: :func:`batch_normalizer` of the whole optimizer batch (> 0).
         cfg: clip settings.
 
     Returns:
-        ``(loss, metrics)``: a scalar tensor (this micro-batch's share of the batch mean) and
+        ``(loss, metrics)``: a scalar tensor (this micro-batch's share of the batch loss) and
         sums over the micro-batch's unmasked tokens, to be added across micro-batches and divided
-        by ``normalizer``: ``loss/clip_frac_sum``, ``loss/kl_behaviour_sum`` (k1: log π_b − log π_θ),
+        by the batch's token count: ``loss/clip_frac_sum``, ``loss/kl_behaviour_sum`` (k1: log π_b − log π_θ),
         ``loss/ratio_sum``.
     """
     mask = mask.to(logprobs.dtype)
@@ -78,7 +93,11 @@ def grpo_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps) * adv
     per_token = -torch.minimum(unclipped, clipped)
-    loss = (per_token * mask).sum() / normalizer
+    if cfg.loss_agg == "token_mean":
+        loss = (per_token * mask).sum() / normalizer
+    else:
+        per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+        loss = per_seq.sum() / normalizer
     with torch.no_grad():
         was_clipped = ((unclipped - clipped).abs() > 0).to(mask.dtype) * mask
         metrics = {
