@@ -38,6 +38,8 @@ class Engine(abc.ABC):
     """A generator of samples with a known policy version."""
 
     policy_version: int = 0
+    max_context: int | None = None
+    """Most tokens (prompt + new) one sequence may hold; longer requests are refused, not generated."""
 
     @abc.abstractmethod
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:

@@ -15,16 +15,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 
 import torch
 from opentelemetry import trace
 
-from rollout_service.engine import Engine, GenerationRequest
+from rollout_service.engine import Engine, GenerationRequest, Sample
 from shared import kafka, topics
 from shared.checkpoint import CheckpointStore
 from shared.config import FlywheelConfig
 from shared.model import encode_chat, load_model, load_tokenizer, resolve_model_dir
-from shared.schemas import Metrics, RolloutRequest, Trajectory, WeightUpdate, decode, DecodeError
+from shared.schemas import DecodeError, Metrics, RolloutRequest, Trajectory, VersionSpan, WeightUpdate, decode
 from shared.telemetry import extract_context, setup_logging, setup_tracing
 
 log = logging.getLogger("rollout")
@@ -48,16 +49,35 @@ def build_engine(config: FlywheelConfig):
 
 
 class WeightWatcher:
-    """Keeps the newest announced WeightUpdate (highest version) from flywheel.weights."""
+    """Every announced WeightUpdate by version, from flywheel.weights and the checkpoint store.
 
-    def __init__(self) -> None:
-        self.newest: WeightUpdate | None = None
+    A version that cannot be loaded (missing file, bad checksum, a path outside the checkpoint
+    store) is marked bad and skipped, so one bad record never blocks the newer good ones.
+    """
+
+    def __init__(self, store_root: Path | None = None) -> None:
+        self.updates: dict[int, WeightUpdate] = {}
+        self.bad: set[int] = set()
+        self.store_root = store_root.resolve() if store_root else None
         self.changed = asyncio.Event()
 
+    @property
+    def newest(self) -> WeightUpdate | None:
+        """The highest version not marked bad."""
+        good = [v for v in self.updates if v not in self.bad]
+        return self.updates[max(good)] if good else None
+
     def offer(self, update: WeightUpdate | None) -> None:
-        if update is not None and (self.newest is None or update.version > self.newest.version):
-            self.newest = update
-            self.changed.set()
+        if update is None or update.version in self.updates:
+            return
+        if self.store_root is not None and (
+            update.path is None or not Path(update.path).resolve().is_relative_to(self.store_root)
+        ):
+            log.error("ignoring weight version %d: path %s is outside the checkpoint store %s", update.version,
+                      update.path, self.store_root)
+            return
+        self.updates[update.version] = update
+        self.changed.set()
 
     async def follow(self, consumer, stop: asyncio.Event) -> None:
         """Read every weight record (no group, all partitions, from earliest) until ``stop``."""
@@ -72,15 +92,16 @@ class WeightWatcher:
 
 
 async def apply_newest(engine: Engine, watcher: WeightWatcher) -> None:
-    """Load the newest announced version if it is newer than the engine's (in a worker thread)."""
-    upd = watcher.newest
-    if upd is not None and upd.version > engine.policy_version:
+    """Load the newest good version if it is newer than the engine's (in a worker thread)."""
+    while (upd := watcher.newest) is not None and upd.version > engine.policy_version:
         t0 = time.perf_counter()
         try:
             await asyncio.to_thread(engine.update_weights, upd)
             log.info("loaded policy version %d in %.2f s", upd.version, time.perf_counter() - t0)
-        except (FileNotFoundError, ValueError) as e:
-            log.error("cannot load policy version %d: %s", upd.version, e)
+            return
+        except (OSError, ValueError, RuntimeError) as e:
+            log.error("cannot load policy version %d, skipping it: %s", upd.version, e)
+            watcher.bad.add(upd.version)
 
 
 def to_trajectories(req: RolloutRequest, prompt_ids: list[int], samples, tokenizer, timings) -> list[Trajectory]:
@@ -114,8 +135,9 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
         kafka.install_stop_signals(stop)
     cfg = config.rollout
     engine, tok = await asyncio.to_thread(build_engine, config)
-    watcher = WeightWatcher()
-    watcher.offer(CheckpointStore(config.run.path(config.run.checkpoint_dir)).latest())
+    store_root = config.run.path(config.run.checkpoint_dir)
+    watcher = WeightWatcher(store_root)
+    watcher.offer(CheckpointStore(store_root).latest())
     await kafka.ensure_topics(config.kafka)
     producer = kafka.make_producer(config.kafka, "rollout")
     requests = kafka.make_consumer(config.kafka, topics.ROLLOUT_REQUESTS, group_id="rollout", client_id="rollout")
@@ -203,10 +225,21 @@ async def _generate_and_send(config, engine: Engine, tok, reqs: list[RolloutRequ
                              stats) -> None:
     picked = time.time()
     prompts = [encode_chat(tok, prompt_messages(r, config.model.system_prompt)) for r in reqs]
-    gens = [GenerationRequest(p, r.n, r.sampling) for p, r in zip(prompts, reqs)]
+    fits = [engine.max_context is None or len(p) + r.sampling.max_new_tokens <= engine.max_context
+            for p, r in zip(prompts, reqs)]
+    gens = [GenerationRequest(p, r.n, r.sampling) for p, r, ok in zip(prompts, reqs, fits) if ok]
     t0 = time.perf_counter()
-    results = await asyncio.to_thread(engine.generate, gens)
+    generated = iter(await asyncio.to_thread(engine.generate, gens) if gens else [])
     gen_s = time.perf_counter() - t0
+    results = []
+    for p, r, ok in zip(prompts, reqs, fits):
+        if ok:
+            results.append(next(generated))
+        else:  # refused, not generated: the verifier flags it and the trainer never trains it
+            msg = f"prompt of {len(p)} tokens + {r.sampling.max_new_tokens} new exceeds the context ({engine.max_context})"
+            log.warning("group %s: %s", r.group_id, msg)
+            results.append([Sample([], [], "error", [VersionSpan(version=engine.policy_version, start=0, end=0)], msg)
+                            for _ in range(r.n)])
     futures = []
     tracer = trace.get_tracer("rollout")
     for r, h, p, samples in zip(reqs, headers, prompts, results):

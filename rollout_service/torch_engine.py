@@ -32,6 +32,7 @@ class TorchEngine(Engine):
         self.seed = seed
         self.batches = 0
         self.policy_version = 0
+        self.max_context = getattr(model.config, "max_position_embeddings", None)
         self._lock = threading.Lock()
 
     @staticmethod

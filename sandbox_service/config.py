@@ -29,3 +29,10 @@ class SandboxConfig(BaseModel):
     ``None`` = the interpreter running the service itself."""
     require_network_isolation: bool = False
     """Refuse to start when a private network namespace cannot be created (else run degraded and say so)."""
+    run_as_uid: int | None = Field(65534, ge=1, le=2**31)
+    """Unprivileged uid (and gid) that submitted code runs as when the service runs as root (via util-linux
+    ``setpriv``; 65534 = nobody): it cannot read root-only files such as /etc/shadow or write into the
+    service's own files. ``None`` runs code as the service's own uid."""
+    max_processes: int = Field(64, ge=1, le=100000)
+    """RLIMIT_NPROC of a run when it runs as ``run_as_uid`` (bounds fork bombs; counted per uid)."""
+

@@ -11,7 +11,9 @@ Layers applied to every run (first version; a later issue adds namespaces, cgrou
   limit), RLIMIT_FSIZE, RLIMIT_CORE = 0;
 - its own session and process group (``start_new_session``), killed as a whole at the deadline
   and after the run (which also reaps anything the program left behind in that group);
-- no network: the command is prefixed with ``unshare --net`` (a new network namespace whose only
+- an unprivileged uid (``run_as_uid``, nobody by default) through ``setpriv`` when the service runs
+  as root, with RLIMIT_NPROC bounding the processes of that uid;
+- no network: the command is prefixed with ``unshare --net --fork`` (a new network namespace whose only
   interface is a down loopback) when :func:`probe_network_isolation` found that this works;
   otherwise runs are flagged ``network_isolated: false`` and ``degraded: ["network"]``;
 - stdout and stderr read concurrently, keeping the first N bytes of each; a program that writes
@@ -62,6 +64,13 @@ def resolve_python(cfg: SandboxConfig) -> str:
     if not found:
         raise FileNotFoundError(f"sandbox python {cfg.python!r} not found on PATH")
     return os.path.abspath(found)
+
+
+def drop_to_uid(cfg: SandboxConfig) -> int | None:
+    """The uid submitted code runs as, or ``None`` to keep the service's (not root, or dropping is off)."""
+    if cfg.run_as_uid is None or os.geteuid() != 0 or shutil.which("setpriv", path=SAFE_PATH) is None:
+        return None
+    return cfg.run_as_uid
 
 
 def unshare_binary() -> str | None:
@@ -115,7 +124,7 @@ async def probe_network_isolation(cfg: SandboxConfig, timeout_s: float = 10.0) -
     return ok
 
 
-def _limits_preexec(memory_bytes: int, cpu_s: int, fsize_bytes: int):
+def _limits_preexec(memory_bytes: int, cpu_s: int, fsize_bytes: int, nproc: int | None = None):
     """A preexec_fn that sets the run's rlimits in the child (between fork and exec)."""
 
     def apply() -> None:
@@ -123,6 +132,8 @@ def _limits_preexec(memory_bytes: int, cpu_s: int, fsize_bytes: int):
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_bytes, fsize_bytes))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if nproc is not None:
+            resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
 
     return apply
 
@@ -258,11 +269,18 @@ async def execute(req: ExecuteRequest, cfg: SandboxConfig, *, network_isolated: 
             return infra(f"sandbox: cannot prepare the run: {e}")
 
         argv = [python, "-I", "-B", str(script)]
+        uid = drop_to_uid(cfg)
+        if uid is not None:
+            for path in (rundir, workdir, script, *workdir.rglob("*")):
+                os.chown(path, uid, uid)
+            argv = [shutil.which("setpriv", path=SAFE_PATH), f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+                    "--", *argv]
         if network_isolated:
             unshare = unshare_binary()
             if unshare is None:
                 return infra("sandbox: unshare disappeared after the start-up probe")
-            argv = [unshare, "--net", *argv]
+            # --fork: the code's parent is this unshare process, not the service (killing it cannot kill us)
+            argv = [unshare, "--net", "--fork", *argv]
         env = {
             "PATH": SAFE_PATH,
             "HOME": str(workdir),
@@ -271,7 +289,8 @@ async def execute(req: ExecuteRequest, cfg: SandboxConfig, *, network_isolated: 
             "PYTHONDONTWRITEBYTECODE": "1",
         }
         cpu_s = int(timeout_s) + 2
-        preexec = _limits_preexec(memory_mb * 1024 * 1024, cpu_s, cfg.file_size_limit_bytes)
+        preexec = _limits_preexec(memory_mb * 1024 * 1024, cpu_s, cfg.file_size_limit_bytes,
+                                  cfg.max_processes if uid is not None else None)
 
         t0 = time.monotonic()
         loop = asyncio.get_running_loop()

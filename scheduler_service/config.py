@@ -33,7 +33,7 @@ class SchedulerConfig(BaseModel):
     consumer_group: str = Field("scheduler", min_length=1)
     """Kafka consumer group of the flywheel.rewards consumer (one group per scheduler deployment)."""
     weights_model: str | None = None
-    """Only WeightUpdates whose ``model`` equals this count for the policy version (``None`` = any model)."""
+    """Only WeightUpdates whose ``model`` equals this count for the policy version (``None`` = ``model.name``)."""
     status_window_s: float = Field(60.0, gt=0, le=86400)
     """Window of ``throughput_samples_per_s`` in ``GET /v1/status`` (seconds)."""
     recent_samples: int = Field(256, ge=1, le=1_000_000)

@@ -1,44 +1,24 @@
 """Request and response bodies of the REST API (Create/Public families).
 
-:class:`TaskCreate` reuses the schema pieces of :class:`shared.schemas.Task` (``ChatMessage``,
-``VerifierSpec``, the same bounds), so a task the API accepts is a valid Task record.
+:class:`TaskCreate` extends :class:`shared.schemas.TaskBody`, the fields and validators of the Task
+record, so a task the API accepts is a valid Task record.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shared.schemas import ChatMessage, Task, VerifierSpec
+from shared.schemas import Task, TaskBody
 
 
-class TaskCreate(BaseModel):
-    """One task to register: the Task record's fields, without schema/version, ``task_id`` optional."""
-
-    model_config = ConfigDict(extra="forbid")
+class TaskCreate(TaskBody):
+    """One task to register: the Task record's fields (same validation), ``task_id`` optional."""
 
     task_id: str | None = Field(None, min_length=1, max_length=512)
     """Stable id; a uuid4 hex is assigned when missing. Re-posting the same id and content is idempotent."""
-    domain: str = Field(min_length=1)
-    """Domain name (e.g. ``gsm8k``, ``humaneval``)."""
-    prompt: list[ChatMessage] = Field(min_length=1)
-    """Chat messages (at least one)."""
-    verifier: VerifierSpec
-    """How the completion is scored, tagged by ``kind``."""
-    samples_per_task: int = Field(8, ge=2, le=1024)
-    """K: samples per training group (≥ 2)."""
-    difficulty: float = 0.0
-    """Difficulty estimate (domain-specific scale)."""
-    split: Literal["train", "eval"] = "train"
-    """``train`` tasks are sampled for training; ``eval`` tasks form the held-out evaluation."""
-    max_turns: int = Field(1, ge=1, le=100)
-    """Turns of the tool loop."""
-    tools: list[str] = Field(default_factory=list)
-    """Tool names the model may call."""
-    metadata: dict[str, Any] = Field(default_factory=dict)
-    """Free-form metadata carried with the task."""
 
     def to_task(self) -> Task:
         """The Task record (with a fresh uuid4 hex id when none was given)."""

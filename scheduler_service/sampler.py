@@ -257,8 +257,8 @@ class Sampler:
     async def _on_watch(self, msg) -> None:
         if msg.topic == topics.WEIGHTS:
             wu = await decode_or_dead_letter(self.state.producer, msg, WeightUpdate, self.name)
-            want = self.cfg.scheduler.weights_model
-            if wu is None or (want is not None and wu.model != want):
+            want = self.cfg.scheduler.weights_model or self.cfg.model.name
+            if wu is None or wu.model != want:
                 return
             if self.registry.raise_policy_version(wu.version):
                 log.info("policy version %d (step %d)", wu.version, wu.step)

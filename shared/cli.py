@@ -29,7 +29,7 @@ from shared.report import write_report
 from shared.tasks import make_tasks
 
 app = typer.Typer(add_completion=False, help="Flywheel: asynchronous RL post-training over Kafka.")
-console = Console()
+console = Console(soft_wrap=True)  # no hard wrapping of log lines when not on a terminal
 log = logging.getLogger("flywheel")
 
 ConfigArg = Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="System config (YAML).")]
@@ -284,6 +284,7 @@ def status(run_dir: RunDirOpt = None) -> None:
         console.print_json(httpx.get(f"{st['scheduler_url']}/v1/status", timeout=5).text)
     except httpx.HTTPError as e:
         console.print(f"[red]scheduler unreachable: {e}[/]")
+        raise typer.Exit(1) from None
 
 
 @app.command()
@@ -299,6 +300,8 @@ def down(run_dir: RunDirOpt = None, timeout: float = 60.0) -> None:
     for other in [st["broker_pid"], *st["services"].values()]:  # supervisor gone: clean up what is left
         if _alive(other):
             os.kill(other, signal.SIGTERM)
+    if run_dir is None:
+        _pointer().unlink(missing_ok=True)
     console.print("stopped")
 
 

@@ -15,13 +15,29 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 # ---------------------------------------------------------------- task-level pieces
 
+MAX_MESSAGE_CHARS = 100_000
+"""Longest chat message accepted (characters); longer prompts cannot fit a policy's context anyway."""
+MAX_JSON_DEPTH = 32
+"""Deepest nesting accepted in free-form JSON fields (metadata, dataset entries)."""
+
+
+def _check_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> Any:
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            if d > limit:
+                raise ValueError(f"nested deeper than {limit} levels")
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return value
+
 
 class ChatMessage(BaseModel):
     """One chat turn."""
 
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool"]
-    content: str = Field(min_length=1)
+    content: str = Field(min_length=1, max_length=MAX_MESSAGE_CHARS)
 
 
 class ReasoningGymSpec(BaseModel):
@@ -32,10 +48,15 @@ class ReasoningGymSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     kind: Literal["reasoning_gym"] = "reasoning_gym"
-    dataset: str
+    dataset: str = Field(min_length=1)
     entry: dict[str, Any]
     extract: Literal["last_number", "answer_tag", "boxed", "full"] = "last_number"
     """How the answer is taken from the completion before scoring (strict; no partial credit)."""
+
+    @field_validator("entry")
+    @classmethod
+    def _shallow(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return _check_depth(v)
 
 
 class MathSpec(BaseModel):
@@ -139,21 +160,47 @@ class Record(BaseModel):
         return orjson.dumps(self.model_dump(mode="json", by_alias=True))
 
 
-class Task(Record):
+class TaskBody(BaseModel):
+    """The fields of a task, shared by the Task record and the scheduler's REST body (one validation)."""
+
+    model_config = ConfigDict(extra="forbid")
+    domain: str = Field(min_length=1, max_length=256)
+    """Domain name (e.g. ``basic_arithmetic``, ``humaneval``)."""
+    prompt: list[ChatMessage] = Field(min_length=1, max_length=256)
+    """Chat messages; at least one that is not a system message."""
+    verifier: VerifierSpec
+    """How the completion is scored, tagged by ``kind``."""
+    samples_per_task: int = Field(8, ge=2, le=1024)
+    """K: samples per training group (evaluation always uses one greedy sample)."""
+    difficulty: float = Field(0.0, allow_inf_nan=False)
+    """Difficulty estimate (domain-specific scale)."""
+    split: Literal["train", "eval"] = "train"
+    """``train`` tasks are sampled for training; ``eval`` tasks form the held-out evaluation."""
+    max_turns: int = Field(1, ge=1, le=100)
+    """Turns of the tool loop."""
+    tools: list[str] = Field(default_factory=list)
+    """Tool names the model may call."""
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    """Free-form metadata carried with the task (at most 32 levels deep)."""
+
+    @field_validator("metadata")
+    @classmethod
+    def _shallow(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return _check_depth(v)
+
+    @field_validator("prompt")
+    @classmethod
+    def _has_non_system_turn(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        if all(m.role == "system" for m in v):
+            raise ValueError("needs at least one message that is not a system message")
+        return v
+
+
+class Task(Record, TaskBody):
     """flywheel.tasks, key task_id. Producer: scheduler (on registration). Consumers: analytics."""
 
     SCHEMA: ClassVar[str] = "flywheel.Task"
-    task_id: str
-    domain: str = Field(min_length=1)
-    prompt: list[ChatMessage] = Field(min_length=1)
-    verifier: VerifierSpec
-    samples_per_task: int = Field(8, ge=2, le=1024)
-    """K: samples per group for training."""
-    difficulty: float = 0.0
-    split: Literal["train", "eval"] = "train"
-    max_turns: int = Field(1, ge=1, le=100)
-    tools: list[str] = Field(default_factory=list)
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    task_id: str = Field(min_length=1, max_length=512)
 
 
 class RolloutRequest(Record):
@@ -278,8 +325,8 @@ class WeightUpdate(Record):
 
     SCHEMA: ClassVar[str] = "flywheel.WeightUpdate"
     model: str
-    version: int = Field(ge=0)
-    step: int = Field(ge=0)
+    version: int = Field(ge=0, le=2**53)
+    step: int = Field(ge=0, le=2**53)
     transport: Literal["checkpoint", "distributed"] = "checkpoint"
     path: str | None = None
     """Safetensors file of this version in the checkpoint store (transport ``checkpoint``)."""

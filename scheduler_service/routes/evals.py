@@ -1,6 +1,8 @@
 """``/v1/evals``: held-out evaluation rounds (one greedy sample per eval task)."""
 
-from fastapi import APIRouter, HTTPException, status
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Path, status
 
 from scheduler_service.deps import StateDep
 from scheduler_service.models import EvalCreate, EvalRoundId, EvalRoundPublic
@@ -25,7 +27,7 @@ def list_evals(state: StateDep) -> list[EvalRoundPublic]:
 
 
 @router.get("/{round_id}", response_model=EvalRoundPublic)
-def get_eval(round_id: int, state: StateDep) -> EvalRoundPublic:
+def get_eval(round_id: Annotated[int, Path(ge=0, le=2**62)], state: StateDep) -> EvalRoundPublic:
     """One eval round. Errors: 404 when unknown."""
     r = state.registry.eval_round(round_id)
     if r is None:

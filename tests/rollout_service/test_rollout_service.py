@@ -55,8 +55,33 @@ async def test_requests_become_trajectories_and_new_weights_are_used(tmp_path, r
             await (await kafka.send(p, topics.WEIGHTS, upd, upd.model))
             trajs = [t for t in await read_topic(cfg.kafka, topics.TRAJECTORIES, Trajectory, 5) if t.group_id == "g1"]
             assert len(trajs) == 2 and all(t.behaviour_version == 1 for t in trajs)
+            # a prompt that cannot fit the context is refused as error samples, not generated
+            long_task = TASK.model_copy(update={"prompt": [{"role": "user", "content": "x" * 600}]})
+            await (await kafka.send(p, topics.ROLLOUT_REQUESTS, RolloutRequest(
+                group_id="g2", task=long_task, n=2, sampling=SamplingParams(max_new_tokens=4)), "g2"))
+            trajs = [t for t in await read_topic(cfg.kafka, topics.TRAJECTORIES, Trajectory, 7) if t.group_id == "g2"]
+            assert [t.finish_reason for t in trajs] == ["error", "error"] and "context" in trajs[0].error
             assert service.done() is False
         finally:
             await p.stop()
             stop.set()
             await asyncio.wait_for(service, 30)
+
+
+def test_weight_watcher_skips_versions_outside_the_store_and_keeps_the_newest_good(tmp_path):
+    from rollout_service.main import WeightWatcher
+    from shared.schemas import WeightUpdate
+
+    store = tmp_path / "ckpt"
+    store.mkdir()
+    w = WeightWatcher(store)
+
+    def upd(v, path):
+        return WeightUpdate(model="m", version=v, step=v, path=str(path), manifest=[], checksum="sha256:x")
+
+    w.offer(upd(1, store / "v000001/model.safetensors"))
+    w.offer(upd(10**6, "/nonexistent/x"))  # forged: outside the store, ignored
+    assert w.newest.version == 1
+    w.offer(upd(5, store / "v000005/model.safetensors"))
+    w.bad.add(5)  # failed to load
+    assert w.newest.version == 1
