@@ -26,7 +26,7 @@ from shared.checkpoint import CheckpointStore
 from shared.config import FlywheelConfig
 from shared.model import encode_chat, load_model, load_tokenizer, resolve_model_dir
 from shared.schemas import DecodeError, Metrics, RolloutRequest, Trajectory, VersionSpan, WeightUpdate, decode
-from shared.telemetry import extract_context, setup_logging, setup_tracing
+from shared.telemetry import extract_context
 
 log = logging.getLogger("rollout")
 
@@ -128,11 +128,7 @@ def prompt_messages(req: RolloutRequest, system_prompt: str | None) -> list[dict
 
 async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None:
     """Run the rollout service until ``stop`` is set (SIGTERM/SIGINT set it when ``stop`` is None)."""
-    setup_logging("rollout", config.run.log_level, config.run.path("logs"))
-    setup_tracing("rollout")
-    if stop is None:
-        stop = asyncio.Event()
-        kafka.install_stop_signals(stop)
+    stop, _ = kafka.prepare_service("rollout", config, stop)
     cfg = config.rollout
     engine, tok = await asyncio.to_thread(build_engine, config)
     store_root = config.run.path(config.run.checkpoint_dir)

@@ -38,7 +38,7 @@ class ExecuteRequest(BaseModel):
     """Text fed to the program's standard input (UTF-8), then closed."""
     files: dict[str, str] = Field(default_factory=dict)
     """Text files created in the working directory before the run: relative POSIX path -> content (UTF-8)."""
-    timeout_s: float | None = Field(None, gt=0, le=300)
+    timeout_s: float | None = Field(None, gt=0, le=300, allow_inf_nan=False)
     """Wall-clock limit (seconds); ``None`` = the service default."""
     memory_mb: int | None = Field(None, ge=16, le=65536)
     """Address-space limit (MiB, RLIMIT_AS); ``None`` = the service default."""

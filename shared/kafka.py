@@ -20,7 +20,7 @@ from aiokafka.errors import TopicAlreadyExistsError
 from shared import topics
 from shared.config import KafkaConfig
 from shared.schemas import DeadLetter, DecodeError, Record, decode
-from shared.telemetry import inject_headers
+from shared.telemetry import inject_headers, setup_logging, setup_tracing
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", bound=Record)
@@ -125,3 +125,14 @@ def install_stop_signals(stop: asyncio.Event) -> None:
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
+
+
+def prepare_service(name: str, config, stop: asyncio.Event | None):
+    """Common start of a Kafka service: logging to ``<run dir>/logs/<name>.log``, tracing, and a stop
+    event (SIGTERM/SIGINT set it when the caller passes none). Returns ``(stop, tracer)``."""
+    setup_logging(name, config.run.log_level, config.run.path("logs"))
+    tracer = setup_tracing(name)
+    if stop is None:
+        stop = asyncio.Event()
+        install_stop_signals(stop)
+    return stop, tracer

@@ -25,7 +25,6 @@ from shared.checkpoint import CheckpointStore, load_weights, snapshot_weights
 from shared.config import FlywheelConfig
 from shared.model import load_model, load_tokenizer, resolve_model_dir
 from shared.schemas import Metrics, ScoredTrajectory
-from shared.telemetry import setup_logging, setup_tracing
 from trainer_service.groups import GroupBuffer
 from trainer_service.trainer import PolicyTrainer
 
@@ -55,11 +54,7 @@ def build_trainer(config: FlywheelConfig) -> tuple[PolicyTrainer, CheckpointStor
 
 async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None:
     """Run the trainer until ``stop`` is set (SIGTERM/SIGINT set it when ``stop`` is None)."""
-    setup_logging("trainer", config.run.log_level, config.run.path("logs"))
-    setup_tracing("trainer")
-    if stop is None:
-        stop = asyncio.Event()
-        kafka.install_stop_signals(stop)
+    stop, _ = kafka.prepare_service("trainer", config, stop)
     cfg = config.trainer
     trainer, store, done = await asyncio.to_thread(build_trainer, config)
     buffer = GroupBuffer(cfg.max_staleness, done)

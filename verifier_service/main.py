@@ -20,13 +20,13 @@ from shared.config import FlywheelConfig
 from shared.kafka import (
     commit_batch,
     decode_or_dead_letter,
-    install_stop_signals,
     make_consumer,
     make_producer,
+    prepare_service,
     send,
 )
 from shared.schemas import Metrics, Reward, RewardEvent, ScoredTrajectory, Trajectory
-from shared.telemetry import extract_context, setup_logging, setup_tracing
+from shared.telemetry import extract_context
 from verifier_service.config import VerifierConfig
 from verifier_service.scorers import Scorer
 
@@ -137,11 +137,7 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
             committed for the batch in progress, so it is redelivered after a restart).
     """
     vcfg = config.verifier
-    setup_logging(SERVICE, config.run.log_level, config.run.path("logs"))
-    tracer = setup_tracing(SERVICE)
-    if stop is None:
-        stop = asyncio.Event()
-        install_stop_signals(stop)
+    stop, tracer = prepare_service(SERVICE, config, stop)
     consumer = make_consumer(config.kafka, topics.TRAJECTORIES, group_id=vcfg.consumer_group, client_id=SERVICE)
     producer = make_producer(config.kafka, client_id=SERVICE)
     scorer = Scorer(vcfg)
