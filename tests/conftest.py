@@ -34,18 +34,31 @@ def unique() -> str:
     return uuid.uuid4().hex[:8]
 
 
-async def _read_topic(cfg: KafkaConfig, topic: str, cls, want: int, timeout_s: float = 60.0) -> list:
-    """Decode records of ``cls`` from ``topic`` (no group, from the earliest offset) until ``want`` or timeout."""
+async def _read_topic(cfg: KafkaConfig, topic: str, cls, want: int, timeout_s: float = 60.0, keep=None,
+                      until=None) -> list:
+    """Decode records of ``cls`` from ``topic`` (no group, from the earliest offset).
+
+    Keeps those passing ``keep`` (all when None) until ``want`` are kept, or with ``until`` until a
+    kept record satisfies it, or the timeout. Undecodable records (other tests' garbage) are skipped.
+    """
     from shared import kafka
-    from shared.schemas import decode
+    from shared.schemas import DecodeError, decode
 
     c = kafka.make_consumer(cfg, topic, group_id=None)
     await c.start()
     out, deadline = [], time.monotonic() + timeout_s
     try:
-        while len(out) < want and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            if (len(out) >= want) if until is None else any(map(until, out)):
+                break
             for msgs in (await c.getmany(timeout_ms=200)).values():
-                out.extend(decode(m.value, cls) for m in msgs)
+                for m in msgs:
+                    try:
+                        rec = decode(m.value, cls)
+                    except DecodeError:
+                        continue
+                    if keep is None or keep(rec):
+                        out.append(rec)
     finally:
         await c.stop()
     return out
@@ -53,5 +66,5 @@ async def _read_topic(cfg: KafkaConfig, topic: str, cls, want: int, timeout_s: f
 
 @pytest.fixture
 def read_topic():
-    """``await read_topic(kafka_cfg, topic, RecordClass, want, timeout_s=60)`` → decoded records."""
+    """``await read_topic(kafka_cfg, topic, RecordClass, want, timeout_s=60, keep=None, until=None)``."""
     return _read_topic

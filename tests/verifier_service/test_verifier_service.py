@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
 from shared import topics
 from shared.config import FlywheelConfig
-from shared.kafka import ensure_topics, make_consumer, make_producer, send
-from shared.schemas import DeadLetter, Metrics, RewardEvent, ScoredTrajectory, Task, Trajectory, decode
+from shared.kafka import ensure_topics, make_producer, send
+from shared.schemas import DeadLetter, Metrics, RewardEvent, ScoredTrajectory, Task, Trajectory
 from verifier_service.main import run
 
 pytestmark = pytest.mark.kafka
@@ -28,32 +27,7 @@ def _traj(unique: str, i: int, text: str, finish_reason: str = "stop") -> Trajec
     )
 
 
-async def _collect(kafka_cfg, topic: str, cls, keep, want: int, timeout_s: float = 60.0, until=None) -> list:
-    """Read ``topic`` from the earliest offset without a group until ``want`` records pass ``keep``
-    (or, with ``until``, until a kept record satisfies it)."""
-    c = make_consumer(kafka_cfg, topic, group_id=None)
-    await c.start()
-    out: list = []
-    try:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if until is None and len(out) >= want or until is not None and any(map(until, out)):
-                break
-            batch = await c.getmany(timeout_ms=200)
-            for msgs in batch.values():
-                for m in msgs:
-                    try:
-                        rec = decode(m.value, cls)
-                    except ValueError:
-                        continue
-                    if keep(rec):
-                        out.append(rec)
-    finally:
-        await c.stop()
-    return out
-
-
-async def test_service_scores_emits_rewards_and_dead_letters(kafka_cfg, unique, tmp_path):
+async def test_service_scores_emits_rewards_and_dead_letters(kafka_cfg, unique, tmp_path, read_topic):
     await ensure_topics(kafka_cfg)
     config = FlywheelConfig(
         kafka=kafka_cfg, run={"dir": str(tmp_path)},
@@ -71,13 +45,13 @@ async def test_service_scores_emits_rewards_and_dead_letters(kafka_cfg, unique, 
         await (await producer.send(topics.TRAJECTORIES, b"{not json " + unique.encode(), key=garbage_key.encode()))
 
         ids = {good.trajectory_id, bad.trajectory_id, aborted.trajectory_id}
-        scored = await _collect(kafka_cfg, topics.SCORED, ScoredTrajectory,
-                                lambda r: r.trajectory.trajectory_id in ids, 3)
-        rewards = await _collect(kafka_cfg, topics.REWARDS, RewardEvent, lambda r: r.trajectory_id in ids, 3)
-        dead = await _collect(kafka_cfg, topics.DLQ, DeadLetter, lambda r: unique in r.payload, 1)
-        metrics = await _collect(kafka_cfg, topics.METRICS, Metrics,
-                                 lambda r: r.source == "verifier" and r.values.get("verifier/dlq", 0) >= 1
-                                 and r.values.get("verifier/scored", 0) >= 3, 1)
+        scored = await read_topic(kafka_cfg, topics.SCORED, ScoredTrajectory, 3,
+                                  keep=lambda r: r.trajectory.trajectory_id in ids)
+        rewards = await read_topic(kafka_cfg, topics.REWARDS, RewardEvent, 3, keep=lambda r: r.trajectory_id in ids)
+        dead = await read_topic(kafka_cfg, topics.DLQ, DeadLetter, 1, keep=lambda r: unique in r.payload)
+        metrics = await read_topic(kafka_cfg, topics.METRICS, Metrics, 1,
+                                   keep=lambda r: r.source == "verifier" and r.values.get("verifier/dlq", 0) >= 1
+                                   and r.values.get("verifier/scored", 0) >= 3)
 
         by_id = {s.trajectory.trajectory_id: s for s in scored}
         assert set(by_id) == ids
@@ -110,7 +84,7 @@ async def test_service_scores_emits_rewards_and_dead_letters(kafka_cfg, unique, 
     assert (tmp_path / "logs" / "verifier.log").exists()
 
 
-async def test_service_commits_so_a_restart_does_not_rescore(kafka_cfg, unique, tmp_path):
+async def test_service_commits_so_a_restart_does_not_rescore(kafka_cfg, unique, tmp_path, read_topic):
     await ensure_topics(kafka_cfg)
     config = FlywheelConfig(kafka=kafka_cfg, run={"dir": str(tmp_path)},
                             verifier={"consumer_group": f"verifier-{unique}"})
@@ -121,7 +95,8 @@ async def test_service_commits_so_a_restart_does_not_rescore(kafka_cfg, unique, 
         await (await send(producer, topics.TRAJECTORIES, t, t.group_id))
         stop = asyncio.Event()
         task = asyncio.create_task(run(config, stop))
-        got = await _collect(kafka_cfg, topics.REWARDS, RewardEvent, lambda r: r.trajectory_id == t.trajectory_id, 1)
+        got = await read_topic(kafka_cfg, topics.REWARDS, RewardEvent, 1,
+                               keep=lambda r: r.trajectory_id == t.trajectory_id)
         assert len(got) == 1
         stop.set()
         await asyncio.wait_for(task, timeout=30)
@@ -134,9 +109,9 @@ async def test_service_commits_so_a_restart_does_not_rescore(kafka_cfg, unique, 
         stop2 = asyncio.Event()
         task2 = asyncio.create_task(run(config, stop2))
         try:
-            got2 = await _collect(kafka_cfg, topics.REWARDS, RewardEvent,
-                                  lambda r: r.trajectory_id in (t.trajectory_id, t2.trajectory_id), 0,
-                                  until=lambda r: r.trajectory_id == t2.trajectory_id)
+            got2 = await read_topic(kafka_cfg, topics.REWARDS, RewardEvent, 0,
+                                    keep=lambda r: r.trajectory_id in (t.trajectory_id, t2.trajectory_id),
+                                    until=lambda r: r.trajectory_id == t2.trajectory_id)
         finally:
             stop2.set()
             await asyncio.wait_for(task2, timeout=30)
