@@ -1,12 +1,20 @@
 """Flywheel vs a plain single-process synchronous GRPO loop, same settings, same run.
 
-Both use the settings of ``examples/arithmetic.yaml`` (SmolLM2-135M-Instruct, basic_arithmetic,
-4 groups x 8 samples, 24 new tokens, lr 1e-5): the baseline generates, scores and trains in one
-process with both cores (``torch.set_num_threads(2)``), one phase after the other; Flywheel runs
-its five services over the embedded broker, generation overlapping training.
+All three use the settings of ``examples/arithmetic.yaml`` (SmolLM2-135M-Instruct, basic_arithmetic,
+4 groups x 8 samples, 24 new tokens, lr 1e-5, fp32):
 
-Prints wall seconds per trainer step for both (median over the steady steps, start-up and
-evaluation excluded) and their ratio. Target: Flywheel <= 1.0x the baseline.
+- **plain loop** (the baseline of the target): the textbook synchronous loop in one process with
+  both cores (``torch.set_num_threads(2)``): ``generate`` → score → one forward of every
+  prompt+completion through the model (log-probs of the completion positions) → GRPO loss →
+  AdamW. This is what the reference measurement in the issue ran (~14.7 s per step there).
+- **Flywheel's trainer in one process**: the same synchronous loop, but with Flywheel's own
+  trainer (one prompt pass per group, only completion positions through the output layer, rows of
+  zero advantage skipped). It shows what the services' overlap adds beyond those kernels.
+- **Flywheel**: ``flywheel run`` with its five services over the embedded broker, generation
+  overlapping training (one core each).
+
+Prints wall seconds per trainer step for each (median over the steady steps: start-up and
+evaluation excluded) and the ratios. Target: Flywheel <= 1.0x the plain loop.
 
     python benchmarks/e2e_arithmetic.py --steps 8
 """
@@ -26,21 +34,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def baseline(config_path: Path, steps: int) -> list[float]:
-    """Seconds per step of a synchronous generate → score → train loop in this process."""
+def _setup(config_path: Path):
     import random
 
     import reasoning_gym
     import torch
 
-    from rollout_service.engine import GenerationRequest
     from rollout_service.torch_engine import TorchEngine
     from shared.config import load_config
-    from shared.model import encode_chat, load_model, load_tokenizer, resolve_model_dir
-    from shared.schemas import Reward, SamplingParams, ScoredTrajectory, Task, Trajectory, VersionSpan
+    from shared.model import load_model, load_tokenizer, resolve_model_dir
+    from shared.schemas import Task
     from shared.tasks import make_tasks
-    from trainer_service.groups import Group
-    from trainer_service.trainer import PolicyTrainer
 
     cfg = load_config(config_path)
     torch.set_num_threads(2)
@@ -48,36 +52,107 @@ def baseline(config_path: Path, steps: int) -> list[float]:
     model_dir = resolve_model_dir(cfg.model.name, cfg.model.cache_dir)
     tok = load_tokenizer(model_dir)
     engine = TorchEngine(load_model(model_dir), tok, seed=0)
-    trainer = PolicyTrainer(load_model(model_dir), cfg.trainer, tok.pad_token_id)
-    trainer.model = engine.model  # one model: generation sees every update at once
-    trainer.optimizer = torch.optim.AdamW(engine.model.parameters(), lr=cfg.trainer.lr)
     tasks = [Task(**t) for t in make_tasks(cfg.tasks) if t["split"] == "train"]
     ds = reasoning_gym.create_dataset(cfg.tasks.dataset, size=1, seed=0, **cfg.tasks.dataset_config)
+
+    def reward(text: str, task) -> float:  # the reference reward: last integer, scorer == 1.0
+        nums = re.findall(r"-?\d+", text.replace(",", ""))
+        return float(bool(nums) and ds.score_answer(nums[-1], task.verifier.entry) == 1.0)
+
+    return cfg, tok, engine, tasks, reward, random.Random(0)
+
+
+def _generate(cfg, tok, engine, tasks, rng):
+    from rollout_service.engine import GenerationRequest
+    from shared.model import encode_chat
+    from shared.schemas import SamplingParams
+
     sp = SamplingParams(max_new_tokens=cfg.scheduler.max_tokens, temperature=cfg.scheduler.temperature)
-    rng = random.Random(0)
+    batch = rng.sample(tasks, cfg.trainer.batch_groups)
+    prompts = [encode_chat(tok, [m.model_dump() for m in t.prompt]) for t in batch]
+    return batch, prompts, engine.generate([GenerationRequest(p, t.samples_per_task, sp) for p, t in zip(prompts, batch)])
+
+
+def plain_loop(config_path: Path, steps: int) -> list[float]:
+    """Seconds per step of a textbook synchronous generate → score → full-forward GRPO update loop."""
+    import torch
+
+    from trainer_service.losses.grpo import GRPOLossConfig, group_advantages, grpo_loss
+
+    cfg, tok, engine, tasks, reward, rng = _setup(config_path)
+    model = engine.model
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
+    loss_cfg = GRPOLossConfig(clip_eps=cfg.trainer.clip_eps, loss_agg=cfg.trainer.loss_agg)
     times = []
     for step in range(steps):
         t0 = time.perf_counter()
-        batch = rng.sample(tasks, cfg.trainer.batch_groups)
-        prompts = [encode_chat(tok, [m.model_dump() for m in t.prompt]) for t in batch]
-        samples = engine.generate([GenerationRequest(p, t.samples_per_task, sp) for p, t in zip(prompts, batch)])
+        batch, prompts, samples = _generate(cfg, tok, engine, tasks, rng)
+        seqs, plens, comps, blps, rewards = [], [], [], [], []
+        for t, p, ss in zip(batch, prompts, samples):
+            rewards.append([reward(tok.decode(s.completion_ids, skip_special_tokens=True), t) for s in ss])
+            for s in ss:
+                seqs.append(p + s.completion_ids)
+                plens.append(len(p))
+                comps.append(s.completion_ids)
+                blps.append(s.logprobs)
+        adv = group_advantages(torch.tensor(rewards, dtype=torch.float64), cfg.trainer.adv_eps).flatten().float()
+        L, T = max(map(len, seqs)), max(1, max(map(len, comps)))
+        ids = torch.full((len(seqs), L), tok.pad_token_id)
+        attn = torch.zeros_like(ids)
+        for i, s in enumerate(seqs):  # right padding
+            ids[i, :len(s)] = torch.tensor(s)
+            attn[i, :len(s)] = 1
+        model.train()
+        opt.zero_grad()
+        logp = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits.float(), -1)
+        lp = torch.zeros(len(seqs), T)
+        blp = torch.zeros(len(seqs), T)
+        mask = torch.zeros(len(seqs), T)
+        for i, (pl, c) in enumerate(zip(plens, comps)):
+            if c:  # completion token j is predicted at position pl + j - 1
+                lp[i, :len(c)] = logp[i, pl - 1:pl - 1 + len(c)].gather(-1, torch.tensor(c)[:, None])[:, 0]
+                blp[i, :len(c)] = torch.tensor(blps[i])
+                mask[i, :len(c)] = 1
+        norm = mask.sum().clamp(min=1) if cfg.trainer.loss_agg == "token_mean" else float(len(seqs))
+        loss, _ = grpo_loss(lp, blp, adv, mask, float(norm), loss_cfg)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.max_grad_norm)
+        opt.step()
+        model.eval()
+        times.append(time.perf_counter() - t0)
+        print(f"plain loop step {step + 1}: {times[-1]:.1f} s, reward {float(torch.tensor(rewards).mean()):.3f}",
+              flush=True)
+    return times
+
+
+def flywheel_trainer_loop(config_path: Path, steps: int) -> list[float]:
+    """Seconds per step of the same synchronous loop with Flywheel's PolicyTrainer doing the update."""
+    from shared.schemas import Reward, ScoredTrajectory, Trajectory, VersionSpan
+    from trainer_service.groups import Group
+    from trainer_service.trainer import PolicyTrainer
+
+    cfg, tok, engine, tasks, reward, rng = _setup(config_path)
+    trainer = PolicyTrainer(engine.model, cfg.trainer, tok.pad_token_id)  # one model: generation sees each update
+    times = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        batch, prompts, samples = _generate(cfg, tok, engine, tasks, rng)
         groups = []
         for t, p, ss in zip(batch, prompts, samples):
             g = Group(t.task_id, len(ss))
             for i, s in enumerate(ss):
                 text = tok.decode(s.completion_ids, skip_special_tokens=True)
-                nums = re.findall(r"-?\d+", text.replace(",", ""))
-                r = float(bool(nums) and ds.score_answer(nums[-1], t.verifier.entry) == 1.0)
                 tr = Trajectory(trajectory_id=f"{t.task_id}:{i}", group_id=t.task_id, sample_index=i,
                                 group_size=len(ss), task=t, prompt_ids=p, completion_ids=s.completion_ids,
                                 completion_logprobs=s.logprobs, loss_mask=[1] * len(s.completion_ids),
                                 completion_text=text, finish_reason=s.finish_reason,
                                 policy_versions=[VersionSpan(version=step, start=0, end=len(s.completion_ids))])
-                g.samples[i] = ScoredTrajectory(trajectory=tr, reward=Reward(total=r))
+                g.samples[i] = ScoredTrajectory(trajectory=tr, reward=Reward(total=reward(text, t)))
             groups.append(g)
         m = trainer.train_step(groups)
         times.append(time.perf_counter() - t0)
-        print(f"baseline step {step + 1}: {times[-1]:.1f} s, reward {m['train/reward_mean']:.3f}", flush=True)
+        print(f"flywheel-trainer loop step {step + 1}: {times[-1]:.1f} s, reward {m['train/reward_mean']:.3f}",
+              flush=True)
     return times
 
 
@@ -101,12 +176,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     args = ap.parse_args()
     fw, rep = flywheel(args.config, args.steps)
-    base = baseline(args.config, args.steps)
-    base_steady = base[1:]  # the first step pays for lazy initialisation
-    b, f = statistics.median(base_steady), statistics.median(fw)
-    print(f"\nsingle-process synchronous loop: {b:.2f} s/step (median of {len(base_steady)} steps)")
-    print(f"flywheel (5 services + broker):  {f:.2f} s/step (median of {len(fw)} step intervals)")
-    print(f"ratio flywheel / single-process: {f / b:.2f}x (target <= 1.0x)")
+    plain = plain_loop(args.config, args.steps)[1:]  # the first step pays for lazy initialisation
+    own = flywheel_trainer_loop(args.config, args.steps)[1:]
+    p, o, f = statistics.median(plain), statistics.median(own), statistics.median(fw)
+    print(f"\nplain single-process loop:              {p:.2f} s/step (median of {len(plain)} steps)")
+    print(f"single-process loop, Flywheel's trainer: {o:.2f} s/step (median of {len(own)} steps)")
+    print(f"flywheel (5 services + broker):          {f:.2f} s/step (median of {len(fw)} step intervals)")
+    print(f"ratio flywheel / plain loop:             {f / p:.2f}x (target <= 1.0x)")
+    print(f"ratio flywheel / loop with its trainer:  {f / o:.2f}x")
     print(f"flywheel wall for {args.steps} steps incl. start-up and shutdown: {rep['wall_seconds']:.0f} s")
 
 

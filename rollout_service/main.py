@@ -133,7 +133,7 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
     engine, tok = await asyncio.to_thread(build_engine, config)
     store_root = config.run.path(config.run.checkpoint_dir)
     watcher = WeightWatcher(store_root)
-    watcher.offer(CheckpointStore(store_root).latest())
+    watcher.offer(CheckpointStore(store_root).newest_published())
     await kafka.ensure_topics(config.kafka)
     producer = kafka.make_producer(config.kafka, "rollout")
     requests = kafka.make_consumer(config.kafka, topics.ROLLOUT_REQUESTS, group_id="rollout", client_id="rollout")

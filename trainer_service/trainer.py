@@ -1,7 +1,8 @@
 """The policy trainer: one GRPO optimizer step over complete groups.
 
 A step reads top to bottom in named phases: collate → advantages → micro-batched forward and
-backward (gradients accumulate, normalised by the batch's token count) → clip → AdamW step.
+backward of the rows whose advantage is not exactly 0 (gradients accumulate, normalised by the
+whole batch's token or sequence count) → clip → AdamW step.
 """
 
 from __future__ import annotations
@@ -136,20 +137,30 @@ class PolicyTrainer:
                                                         len(rows[i].trajectory.completion_ids)))
         rows, advantages = [rows[i] for i in order], advantages[order]
         n_tokens = max(1.0, float(sum(sum(r.trajectory.loss_mask) for r in rows)))
+        # the denominator counts every row, including those skipped below
         normalizer = batch_normalizer([r.trajectory.loss_mask for r in rows], self.loss_cfg)
+        # a row with advantage exactly 0 (its group's rewards are all equal) has loss and gradient exactly 0
+        # (no KL term): skip its forward and backward, the step is the same
+        live = [i for i in range(len(rows)) if advantages[i] != 0]
+        live_rows, live_adv = [rows[i] for i in live], advantages[live]
+        live_tokens = max(1.0, float(sum(sum(r.trajectory.loss_mask) for r in live_rows)))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
+        sums: dict[str, float] = {"loss/pg": 0.0, "loss/clip_frac_sum": 0.0, "loss/kl_behaviour_sum": 0.0,
+                                  "loss/ratio_sum": 0.0}
         mb = self.cfg.micro_batch_size
-        for i in range(0, len(rows), mb):
-            batch = collate(rows[i:i + mb], self.pad_id)
+        for i in range(0, len(live_rows), mb):
+            batch = collate(live_rows[i:i + mb], self.pad_id)
             logprobs = completion_logprobs(self.model, batch, self.cfg.autocast_bf16)
-            loss, m = grpo_loss(logprobs, batch.behaviour_logprobs, advantages[i:i + mb], batch.loss_mask,
+            loss, m = grpo_loss(logprobs, batch.behaviour_logprobs, live_adv[i:i + mb], batch.loss_mask,
                                 normalizer, self.loss_cfg)
             loss.backward()
-            sums["loss/pg"] = sums.get("loss/pg", 0.0) + float(loss.detach())
+            sums["loss/pg"] += float(loss.detach())
             for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + v
+                sums[k] += v
+        for p in self.model.parameters():  # AdamW skips a None grad; a zero one still moves the moments
+            if p.grad is None and p.requires_grad:
+                p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         self.optimizer.step()
         self.model.eval()
@@ -161,9 +172,10 @@ class PolicyTrainer:
         elapsed = time.perf_counter() - t0
         return {
             "loss/pg": sums["loss/pg"],
-            "loss/clip_frac": sums["loss/clip_frac_sum"] / n_tokens,
-            "loss/kl_behaviour": sums["loss/kl_behaviour_sum"] / n_tokens,
-            "loss/ratio_mean": sums["loss/ratio_sum"] / n_tokens,
+            # ratio statistics over the tokens that went through the model (advantage ≠ 0)
+            "loss/clip_frac": sums["loss/clip_frac_sum"] / live_tokens,
+            "loss/kl_behaviour": sums["loss/kl_behaviour_sum"] / live_tokens,
+            "loss/ratio_mean": sums["loss/ratio_sum"] / live_tokens if live_rows else 1.0,
             "train/grad_norm": float(grad_norm),
             "train/reward_mean": float(np.mean(rewards)),
             "train/pass_rate": float(np.mean([x >= 1.0 for x in rewards])),
@@ -174,6 +186,7 @@ class PolicyTrainer:
             "train/staleness_mean": float(np.mean(staleness)),
             "train/staleness_max": float(max(staleness)),
             "train/zero_variance_groups": float(zero_var),
+            "train/skipped_zero_adv_samples": float(len(rows) - len(live_rows)),
             "train/groups": float(len(groups)),
             "train/samples": float(len(rows)),
             "train/tokens": n_tokens,

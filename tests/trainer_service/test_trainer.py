@@ -148,3 +148,45 @@ def test_shared_prompt_logprobs_and_gradients_equal_separate_forwards(tiny):
     a = torch.cat([g.flatten() for g in shared])
     b = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert (a - b).norm() / b.norm() < 1e-6  # float32 RoPE angles bound the agreement (see above)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+def test_skipping_zero_advantage_rows_gives_the_full_batch_gradient(tiny, agg):
+    """Rows of a zero-variance group skip the forward pass; the gradient equals the loss over every row."""
+    from trainer_service.losses.grpo import GRPOLossConfig, batch_normalizer, grpo_loss
+
+    buf = GroupBuffer(1)
+    fill(buf, "mixed", [1, 0, 0, 1], comp=(10, 11, 12, 13))
+    fill(buf, "flat", [1, 1, 1, 1], comp=(20, 21))  # advantages exactly 0, shorter: changes the normaliser
+    groups = buf.take(2)
+    got = _grads(tiny, 8, groups, agg)
+    torch.manual_seed(0)
+    model = load_model(tiny).double()
+    rows = [r for g in groups for r in g.rows()]
+    adv = torch.cat([(torch.tensor([1.0, 0, 0, 1]) - 0.5) / (torch.tensor([1.0, 0, 0, 1]).std() + 1e-4),
+                     torch.zeros(4)]).double()
+    cfg = GRPOLossConfig(loss_agg=agg)
+    b = collate(rows, pad_id=0, dtype=torch.float64)
+    lp = completion_logprobs(model, b)
+    loss, _ = grpo_loss(lp, b.behaviour_logprobs, adv, b.loss_mask,
+                        batch_normalizer([r.trajectory.loss_mask for r in rows], cfg), cfg)
+    loss.backward()
+    ref = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    assert ref.norm() > 0
+    assert (got - ref).norm() / ref.norm() < 1e-6
+
+
+def test_all_zero_advantage_step_still_steps_adamw(tiny):
+    """Skipping every row leaves zero gradients (not None), so AdamW's moments still move the weights."""
+    torch.manual_seed(0)
+    model = load_model(tiny)
+    tr = PolicyTrainer(model, TrainerConfig(lr=1e-2), pad_id=0)
+    buf = GroupBuffer(1)
+    fill(buf, "a", [1, 0, 0, 1])
+    tr.train_step(buf.take(1))
+    before = [p.detach().clone() for p in model.parameters()]
+    fill(buf, "b", [0, 0, 0, 0])
+    m = tr.train_step(buf.take(1))
+    assert m["train/skipped_zero_adv_samples"] == 4 and m["train/grad_norm"] == 0.0
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
