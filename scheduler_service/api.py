@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
 
 from shared.config import FlywheelConfig
 
@@ -33,4 +37,12 @@ def create_app(config: FlywheelConfig, state: SchedulerState) -> FastAPI:
     app.state.config = config
     for r in (tasks.router, evals.router, status.router):
         app.include_router(r)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        # FastAPI's own handler echoes the input as UTF-8 and fails (500) on a lone surrogate;
+        # ASCII-escaped JSON carries any string
+        body = json.dumps({"detail": jsonable_encoder(exc.errors())}, ensure_ascii=True)
+        return Response(body, status_code=422, media_type="application/json")
+
     return app

@@ -32,6 +32,28 @@ def _check_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> Any:
     return value
 
 
+def _non_utf8_path(value: Any) -> str | None:
+    """Path (``a.0.b``) of the first string or key in ``value`` that cannot be UTF-8 encoded (a lone
+    surrogate such as ``"\\ud800"`` in JSON), or None when every one can."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "(value)"
+        elif isinstance(v, dict):
+            for k, c in v.items():
+                sub = f"{path}.{k}" if path else str(k)
+                if isinstance(k, str):
+                    stack.append((k, sub))
+                stack.append((c, sub))
+        elif isinstance(v, (list, tuple)):
+            stack.extend((c, f"{path}.{i}" if path else str(i)) for i, c in enumerate(v))
+    return None
+
+
 class ChatMessage(BaseModel):
     """One chat turn."""
 
@@ -187,6 +209,14 @@ class TaskBody(BaseModel):
     @classmethod
     def _shallow(cls, v: dict[str, Any]) -> dict[str, Any]:
         return _check_depth(v)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _utf8(cls, data: Any) -> Any:
+        bad = _non_utf8_path(data)
+        if bad is not None:
+            raise ValueError(f"{bad}: not valid UTF-8 text (a lone surrogate code point)")
+        return data
 
     @field_validator("prompt")
     @classmethod

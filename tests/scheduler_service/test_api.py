@@ -38,6 +38,20 @@ async def test_malformed_task_is_422_naming_the_field_and_stores_nothing(
         assert (await client.get(f"/v1/tasks/good-{unique}")).status_code == 404
 
 
+async def test_lone_surrogate_is_422_naming_the_field(make_config, running, task, unique):
+    """``"\\ud800"`` is valid JSON but not UTF-8 text: a 4xx naming where it is, not a 500 from the store."""
+    import json
+
+    bad = task(f"bad-{unique}")
+    bad["prompt"][-1]["content"] = "what is \ud800?"
+    body = json.dumps({"tasks": [task(f"good-{unique}"), bad]})  # ensure_ascii: the escape reaches the server
+    async with running(make_config(), kafka=False) as (client, state):
+        r = await client.post("/v1/tasks", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 422, r.text
+        assert "prompt.0.content" in r.json()["detail"][0]["msg"] and _fields(r)[0].endswith("tasks.1")
+        assert state.registry.task_counts() == {"train": 0, "eval": 0}
+
+
 async def test_empty_batch_is_422(make_config, running):
     async with running(make_config(), kafka=False) as (client, _):
         r = await client.post("/v1/tasks", json={"tasks": []})
