@@ -5,8 +5,9 @@ All three use the settings of ``examples/arithmetic.yaml`` (SmolLM2-135M-Instruc
 
 - **plain loop** (the baseline of the target): the textbook synchronous loop in one process with
   both cores (``torch.set_num_threads(2)``): ``generate`` → score → one forward of every
-  prompt+completion through the model (log-probs of the completion positions) → GRPO loss →
-  AdamW. This is what the reference measurement in the issue ran (~14.7 s per step there).
+  prompt + completion (left-padded prompts, as TRL lays them out; only the completion positions
+  go through the output layer, ``logits_to_keep``) → GRPO loss → AdamW. This is what the
+  reference measurement in the issue ran (~14.7 s per step there).
 - **Flywheel's trainer in one process**: the same synchronous loop, but with Flywheel's own
   trainer (one prompt pass per group, only completion positions through the output layer, rows of
   zero advantage skipped). It shows what the services' overlap adds beyond those kernels.
@@ -87,33 +88,35 @@ def plain_loop(config_path: Path, steps: int) -> list[float]:
     for step in range(steps):
         t0 = time.perf_counter()
         batch, prompts, samples = _generate(cfg, tok, engine, tasks, rng)
-        seqs, plens, comps, blps, rewards = [], [], [], [], []
+        prompts_rows, comps, blps, rewards = [], [], [], []
         for t, p, ss in zip(batch, prompts, samples):
             rewards.append([reward(tok.decode(s.completion_ids, skip_special_tokens=True), t) for s in ss])
             for s in ss:
-                seqs.append(p + s.completion_ids)
-                plens.append(len(p))
+                prompts_rows.append(p)
                 comps.append(s.completion_ids)
                 blps.append(s.logprobs)
         adv = group_advantages(torch.tensor(rewards, dtype=torch.float64), cfg.trainer.adv_eps).flatten().float()
-        L, T = max(map(len, seqs)), max(1, max(map(len, comps)))
-        ids = torch.full((len(seqs), L), tok.pad_token_id)
+        # left-padded prompts then right-padded completions (as TRL lays them out): every completion
+        # starts at column P, and only the last T + 1 positions go through the output layer
+        B, P, T = len(comps), max(map(len, prompts_rows)), max(1, max(map(len, comps)))
+        ids = torch.full((B, P + T), tok.pad_token_id)
         attn = torch.zeros_like(ids)
-        for i, s in enumerate(seqs):  # right padding
-            ids[i, :len(s)] = torch.tensor(s)
-            attn[i, :len(s)] = 1
-        model.train()
-        opt.zero_grad()
-        logp = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits.float(), -1)
-        lp = torch.zeros(len(seqs), T)
-        blp = torch.zeros(len(seqs), T)
-        mask = torch.zeros(len(seqs), T)
-        for i, (pl, c) in enumerate(zip(plens, comps)):
-            if c:  # completion token j is predicted at position pl + j - 1
-                lp[i, :len(c)] = logp[i, pl - 1:pl - 1 + len(c)].gather(-1, torch.tensor(c)[:, None])[:, 0]
+        blp = torch.zeros(B, T)
+        mask = torch.zeros(B, T)
+        for i, (pr, c) in enumerate(zip(prompts_rows, comps)):
+            ids[i, P - len(pr):P] = torch.tensor(pr)
+            attn[i, P - len(pr):P] = 1
+            if c:
+                ids[i, P:P + len(c)] = torch.tensor(c)
+                attn[i, P:P + len(c)] = 1
                 blp[i, :len(c)] = torch.tensor(blps[i])
                 mask[i, :len(c)] = 1
-        norm = mask.sum().clamp(min=1) if cfg.trainer.loss_agg == "token_mean" else float(len(seqs))
+        model.train()
+        opt.zero_grad()
+        pos = (attn.cumsum(1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1).logits[:, :-1]
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, P:, None])[..., 0]
+        norm = mask.sum().clamp(min=1) if cfg.trainer.loss_agg == "token_mean" else float(B)
         loss, _ = grpo_loss(lp, blp, adv, mask, float(norm), loss_cfg)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.max_grad_norm)
@@ -162,6 +165,7 @@ def flywheel(config_path: Path, steps: int) -> tuple[list[float], dict]:
         report = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "shared.cli", "run", str(config_path), "--report", str(report),
                "--set", f"trainer.max_steps={steps}", "--set", "scheduler.eval_every=0",
+               "--set", "scheduler.oversample=1.0",  # the loops generate exactly B groups per step
                "--set", "tasks.eval_size=0", "--set", "scheduler.eval_before_training=false",
                "--set", f"run.dir={tmp}/runs"]
         subprocess.run(cmd, check=True, cwd=tmp)

@@ -1,5 +1,7 @@
 """Configuration of the scheduler service (section ``scheduler``)."""
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -26,6 +28,18 @@ class SchedulerConfig(BaseModel):
     """Default ``max_new_tokens`` of the rollout requests."""
     temperature: float = Field(1.0, ge=0.0, le=10.0)
     """Sampling temperature of training rollouts (evaluation is greedy)."""
+    curriculum: Literal["uniform", "learnability"] = "uniform"
+    """Which training tasks get the next groups. ``uniform``: those with the fewest groups so far
+    (every task once before any twice). ``learnability``: up to ``replay_fraction`` of them go to
+    tasks whose pass rate p is strictly between 0 and 1, drawn with weight p(1 − p) (Foster &
+    Foerster 2025, "Learning to Reason at the Frontier of Learnability"), the rest as ``uniform``.
+    A task the policy only just started to solve is sampled again while it still teaches something."""
+    replay_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    """Largest share of newly issued groups given to partly solved tasks (``curriculum: learnability``)."""
+    oversample: float = Field(1.0, ge=1.0, le=8.0)
+    """Training groups issued per trainer step, as a multiple of ``trainer.batch_groups`` (rounded up).
+    Above 1 the trainer picks the groups whose rewards differ first (DAPO-style dynamic sampling,
+    Yu et al. 2025 §3.2): a group with equal rewards has zero advantage and teaches nothing."""
     poll_interval_s: float = Field(0.05, gt=0, le=10)
     """How often the sampler loop looks for capacity (seconds)."""
     seed: int = 0

@@ -243,6 +243,16 @@ class Registry:
         )
         return [r["task_id"] for r in rows]
 
+    def learnable_train_tasks(self) -> list[tuple[str, float]]:
+        """``(task_id, pass_rate)`` of train tasks with a pass rate strictly between 0 and 1 and no
+        group in flight, sorted by id."""
+        rows = self._all(
+            "SELECT t.task_id, CAST(t.passes AS REAL) / t.samples AS p FROM tasks t WHERE t.split = 'train'"
+            " AND t.samples > 0 AND t.passes > 0 AND t.passes < t.samples AND NOT EXISTS"
+            ' (SELECT 1 FROM "groups" g WHERE g.task_id = t.task_id AND g.state = \'issued\') ORDER BY t.task_id'
+        )
+        return [(r["task_id"], float(r["p"])) for r in rows]
+
     # ------------------------------------------------------------ groups
 
     def _new_group(self, db: sqlite3.Connection, task_id: str, purpose: str, state: str,

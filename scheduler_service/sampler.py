@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,7 @@ def training_budget(policy_version: int, batch_groups: int, max_staleness: int, 
                     issued: int, in_flight: int) -> int:
     """New training groups that may be issued now (never negative).
 
+    ``batch_groups`` is the groups issued per trainer step (B, or ⌈B · oversample⌉).
     Total cap ``min(v + η + 1, max_steps) * B``; in-flight cap ``(η + 1) * B``.
     """
     total_cap = min(policy_version + max_staleness + 1, max_steps) * batch_groups
@@ -173,8 +175,15 @@ class Sampler:
     async def _issue_training(self) -> None:
         tc = self.cfg.trainer
         issued, in_flight = self.registry.train_group_counts()
-        budget = training_budget(self.registry.policy_version, tc.batch_groups, tc.max_staleness, tc.max_steps,
+        per_step = math.ceil(tc.batch_groups * self.cfg.scheduler.oversample)
+        budget = training_budget(self.registry.policy_version, per_step, tc.max_staleness, tc.max_steps,
                                  issued, in_flight)
+        if budget > 0 and self.cfg.scheduler.curriculum == "learnability":
+            replay = self._learnable(budget)
+            if replay:
+                groups = self.registry.issue_train_groups(replay, self.cfg.scheduler.group_deadline_s)
+                budget -= len(groups)
+                await self._send(groups)
         while budget > 0 and not self._stop.is_set():
             ids = self.registry.least_issued_train_tasks()
             if not ids:
@@ -183,6 +192,17 @@ class Sampler:
             groups = self.registry.issue_train_groups(ids[:budget], self.cfg.scheduler.group_deadline_s)
             budget -= len(groups)
             await self._send(groups)
+
+    def _learnable(self, budget: int) -> list[str]:
+        """Up to ``replay_fraction · budget`` (stochastically rounded) partly solved tasks, drawn
+        without replacement with weight p(1 − p)."""
+        n = int(budget * self.cfg.scheduler.replay_fraction + self.rng.random())
+        cands = self.registry.learnable_train_tasks()
+        picks: list[str] = []
+        while cands and len(picks) < n:
+            i = self.rng.choices(range(len(cands)), weights=[p * (1 - p) for _, p in cands])[0]
+            picks.append(cands.pop(i)[0])
+        return picks
 
     def _request(self, g: IssuedGroup) -> RolloutRequest:
         sc = self.cfg.scheduler

@@ -179,6 +179,11 @@ def _train(system: LocalSystem, cfg, t0: float, timeout_s: float) -> dict:
         with console.status(f"final held-out evaluation at policy version {max_steps}"):
             after = _wait_eval(system, rid, max(60.0, deadline - time.monotonic()))
     history = httpx.get(f"{url}/v1/metrics/history", timeout=10).json()
+    # the last step's metrics record may trail its weight announcement (it follows the optimizer state)
+    settle = time.monotonic() + 30
+    while max((h["step"] for h in history), default=0) < max_steps and time.monotonic() < settle:
+        time.sleep(0.5)
+        history = httpx.get(f"{url}/v1/metrics/history", timeout=10).json()
     evals = httpx.get(f"{url}/v1/evals", timeout=10).json()
     wall = time.monotonic() - t0
 

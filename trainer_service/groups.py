@@ -32,6 +32,11 @@ class Group:
         return [self.samples[i] for i in sorted(self.samples)]
 
     @property
+    def zero_variance(self) -> bool:
+        """All rewards equal: every advantage is exactly 0 and the group adds nothing to the gradient."""
+        return len({s.reward.total for s in self.samples.values()}) <= 1
+
+    @property
     def behaviour_version(self) -> int:
         """Oldest policy version that produced any token of the group."""
         return min(s.trajectory.behaviour_version for s in self.samples.values())
@@ -100,12 +105,16 @@ class GroupBuffer:
         self.ready = keep
         return dropped
 
-    def take(self, n: int) -> list[Group]:
-        """Remove and return the ``n`` oldest ready groups (fewer if not enough).
+    def take(self, n: int, prefer_informative: bool = False) -> list[Group]:
+        """Remove and return ``n`` ready groups (fewer if not enough): the oldest, or with
+        ``prefer_informative`` the oldest groups whose rewards differ, then the oldest others.
 
         They stay held (records skipped, offsets not released) until :meth:`mark_trained`.
         """
-        out, self.ready = self.ready[:n], self.ready[n:]
+        order = sorted(range(len(self.ready)), key=lambda i: (prefer_informative and self.ready[i].zero_variance, i))
+        picked = set(order[:n])
+        out = [self.ready[i] for i in sorted(picked)]
+        self.ready = [g for i, g in enumerate(self.ready) if i not in picked]
         self.in_flight.update(g.group_id for g in out)
         return out
 

@@ -118,3 +118,32 @@ def test_policy_version_only_rises_and_persists(tmp_path):
 )
 def test_training_budget(v, b, eta, steps, issued, flight, want):
     assert training_budget(v, b, eta, steps, issued, flight) == want
+
+
+def test_learnable_tasks_are_partly_solved_and_not_in_flight(reg):
+    reg.register_tasks([_task(t) for t in ("solved", "unsolved", "half", "busy", "unseen")])
+    for tid, results in (("solved", [True, True]), ("unsolved", [False, False]), ("half", [True, False]),
+                         ("busy", [False, True])):
+        (g,) = reg.issue_train_groups([tid], deadline_s=60)
+        for i, passed in enumerate(results):
+            reg.record_reward(_ev(g.group_id, i, passed=passed))
+    reg.issue_train_groups(["busy"], deadline_s=60)  # a second group of "busy" is in flight
+    assert reg.learnable_train_tasks() == [("half", 0.5)]
+
+
+def test_learnability_curriculum_replays_at_most_its_share_of_partly_solved_tasks(reg):
+    from types import SimpleNamespace
+
+    from shared.config import load_config
+    from scheduler_service.sampler import Sampler
+
+    cfg = load_config(scheduler={"curriculum": "learnability", "replay_fraction": 0.5})
+    reg.register_tasks([_task(f"t{i}") for i in range(6)])
+    for i in range(6):
+        (g,) = reg.issue_train_groups([f"t{i}"], deadline_s=60)
+        for j, passed in enumerate([i < 3, False]):  # t0-t2 half solved, t3-t5 unsolved
+            reg.record_reward(_ev(g.group_id, j, passed=passed))
+    sampler = Sampler(SimpleNamespace(config=cfg, registry=reg))
+    picks = sampler._learnable(4)
+    assert len(picks) == 2 and set(picks) <= {"t0", "t1", "t2"} and len(set(picks)) == 2
+    assert len(sampler._learnable(6)) == 3  # never more than there are

@@ -180,3 +180,19 @@ async def test_deadline_reissues_same_group_then_abandons(make_config, kafka_cfg
         st = (await client.get("/v1/status")).json()
         assert st["abandoned_groups"] >= 1
         assert state.registry.get_group(f"{tid}:0")["state"] == "abandoned"
+
+
+async def test_oversample_issues_more_groups_per_step(make_config, kafka_cfg, unique, running, task, kafka_io):
+    """B = 2, oversample 1.5, η = 0: ⌈2 · 1.5⌉ = 3 groups at policy version 0, not 2."""
+    _, reader = kafka_io
+    ids = [f"{unique}-t{i}" for i in range(5)]
+    requests = await reader(topics.ROLLOUT_REQUESTS)
+    cfg = make_config(kafka=kafka_cfg, scheduler={"poll_interval_s": 0.05, "consumer_group": f"sched-{unique}",
+                                                   "weights_model": f"m-{unique}", "eval_before_training": False,
+                                                   "oversample": 1.5},
+                      trainer={"batch_groups": 2, "max_staleness": 0, "max_steps": 30})
+    async with running(cfg) as (client, state):
+        assert (await client.post("/v1/tasks", json={"tasks": [task(t) for t in ids]})).status_code == 202
+        got = await collect(requests, RolloutRequest, lambda r: r.task.task_id in ids, want=3, settle_s=1.5)
+        assert len(got) == 3, got
+        assert state.registry.train_group_counts() == (3, 3)

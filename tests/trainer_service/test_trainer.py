@@ -190,3 +190,17 @@ def test_all_zero_advantage_step_still_steps_adamw(tiny):
     assert m["train/skipped_zero_adv_samples"] == 4 and m["train/grad_norm"] == 0.0
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_take_prefers_groups_whose_rewards_differ_when_asked():
+    buf = GroupBuffer(max_staleness=1)
+    fill(buf, "flat0", [0, 0])
+    fill(buf, "mixed", [1, 0])
+    fill(buf, "flat1", [1, 1])
+    fill(buf, "mixed2", [0.5, 0])
+    assert [g.group_id for g in buf.take(2, prefer_informative=True)] == ["mixed", "mixed2"]
+    assert [g.group_id for g in buf.take(1, prefer_informative=True)] == ["flat0"]  # then the oldest others
+    buf2 = GroupBuffer(max_staleness=1)
+    fill(buf2, "flat0", [0, 0])
+    fill(buf2, "mixed", [1, 0])
+    assert [g.group_id for g in buf2.take(1)] == ["flat0"]  # default: arrival order
