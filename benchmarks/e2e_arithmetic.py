@@ -115,7 +115,7 @@ def plain_loop(config_path: Path, steps: int) -> list[float]:
         opt.zero_grad()
         pos = (attn.cumsum(1) - 1).clamp(min=0)
         logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1).logits[:, :-1]
-        lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, P:, None])[..., 0]
+        lp = torch.log_softmax(logits.float() / cfg.scheduler.temperature, -1).gather(-1, ids[:, P:, None])[..., 0]
         norm = mask.sum().clamp(min=1) if cfg.trainer.loss_agg == "token_mean" else float(B)
         loss, _ = grpo_loss(lp, blp, adv, mask, float(norm), loss_cfg)
         loss.backward()
@@ -149,6 +149,7 @@ def flywheel_trainer_loop(config_path: Path, steps: int) -> list[float]:
                                 group_size=len(ss), task=t, prompt_ids=p, completion_ids=s.completion_ids,
                                 completion_logprobs=s.logprobs, loss_mask=[1] * len(s.completion_ids),
                                 completion_text=text, finish_reason=s.finish_reason,
+                                temperature=cfg.scheduler.temperature,
                                 policy_versions=[VersionSpan(version=step, start=0, end=len(s.completion_ids))])
                 g.samples[i] = ScoredTrajectory(trajectory=tr, reward=Reward(total=reward(text, t)))
             groups.append(g)

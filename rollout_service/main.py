@@ -114,7 +114,8 @@ def to_trajectories(req: RolloutRequest, prompt_ids: list[int], samples, tokeniz
             prompt_ids=prompt_ids, completion_ids=s.completion_ids, completion_logprobs=s.logprobs,
             loss_mask=[1] * len(s.completion_ids),
             completion_text=tokenizer.decode(s.completion_ids, skip_special_tokens=True),
-            finish_reason=s.finish_reason, error=s.error, policy_versions=s.versions, timings=timings,
+            finish_reason=s.finish_reason, error=s.error, policy_versions=s.versions,
+            temperature=req.sampling.temperature, timings=timings,
         ))
     return out
 

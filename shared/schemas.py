@@ -261,7 +261,9 @@ class Trajectory(Record):
     """flywheel.trajectories, key group_id. Producer: rollout. Consumer: verifier.
 
     ``completion_logprobs[i]`` is the behaviour policy's log-probability (natural log, float) of
-    ``completion_ids[i]`` under the sampling distribution; ``loss_mask[i]`` is 0 on tool output.
+    ``completion_ids[i]`` under the sampling distribution (logits divided by ``temperature``);
+    ``loss_mask[i]`` is 0 on tool output. The trainer scores the policy at the same temperature,
+    so the importance ratio compares like with like.
     """
 
     SCHEMA: ClassVar[str] = "flywheel.Trajectory"
@@ -281,6 +283,8 @@ class Trajectory(Record):
     finish_reason: Literal["stop", "length", "abort", "error"]
     error: str | None = None
     policy_versions: list[VersionSpan]
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    """Sampling temperature the completion was drawn at (0 = greedy, never trained)."""
     timings: dict[str, float] = Field(default_factory=dict)
     """Seconds: ``queue`` (request issued → picked up), ``generate`` (batch generation)."""
 

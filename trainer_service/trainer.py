@@ -32,7 +32,8 @@ class Batch:
     ``prompt_ids``, ``prompt_mask``: ``[U, P]`` long, the U distinct prompts left-padded to P.
     ``prompt_lengths``: ``[U]`` long. ``row_prompt``: ``[B]`` long, the prompt of each row.
     ``completion_ids``, ``completion_mask``: ``[B, T]`` long, right-padded completions and their
-    attention mask. ``behaviour_logprobs``, ``loss_mask``: ``[B, T]`` float.
+    attention mask. ``behaviour_logprobs``, ``loss_mask``: ``[B, T]`` float. ``temperature``: ``[B]``
+    float, the sampling temperature of each row (its logits are divided by it).
     """
 
     prompt_ids: torch.Tensor
@@ -43,6 +44,7 @@ class Batch:
     completion_mask: torch.Tensor
     behaviour_logprobs: torch.Tensor
     loss_mask: torch.Tensor
+    temperature: torch.Tensor | None = None
 
 
 def collate(rows: list[ScoredTrajectory], pad_id: int, dtype: torch.dtype = torch.float32) -> Batch:
@@ -69,11 +71,14 @@ def collate(rows: list[ScoredTrajectory], pad_id: int, dtype: torch.dtype = torc
             cmask[i, :c] = 1
             blp[i, :c] = torch.tensor(tr.completion_logprobs, dtype=dtype)
             mask[i, :c] = torch.tensor(tr.loss_mask, dtype=dtype)
-    return Batch(pids, pmask, pmask.sum(1), torch.tensor(row_prompt), comp, cmask, blp, mask)
+    # greedy rows (temperature 0, evaluation) never train; score them at 1 rather than divide by 0
+    temp = torch.tensor([r.trajectory.temperature or 1.0 for r in rows], dtype=dtype)
+    return Batch(pids, pmask, pmask.sum(1), torch.tensor(row_prompt), comp, cmask, blp, mask, temp)
 
 
 def completion_logprobs(model: torch.nn.Module, batch: Batch, autocast_bf16: bool = False) -> torch.Tensor:
-    """log π_θ of each completion token: ``[B, T]``, float32 (float64 for a float64 model).
+    """log π_θ of each completion token at the row's sampling temperature: ``[B, T]``, float32
+    (float64 for a float64 model).
 
     Two passes of the transformer body: the U distinct prompts (with their key/value cache, which
     keeps its autograd graph), then the B completions on top of the cache expanded to the rows.
@@ -100,6 +105,8 @@ def completion_logprobs(model: torch.nn.Module, batch: Batch, autocast_bf16: boo
     w = model.lm_head.weight
     logits = torch.nn.functional.linear(hidden.to(w.dtype), w)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if batch.temperature is not None:  # the distribution the rollout sampled from: logits / T
+        logits = logits / batch.temperature.to(logits.dtype)[:, None, None]
     return torch.log_softmax(logits, dim=-1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
 
 

@@ -31,13 +31,14 @@ async def test_requests_become_trajectories_and_new_weights_are_used(tmp_path, r
         await p.start()
         try:
             await p.send_and_wait(topics.ROLLOUT_REQUESTS, b'{"schema": "flywheel.RolloutRequest"}', key=b"bad")
-            sp = SamplingParams(max_new_tokens=4)
+            sp = SamplingParams(max_new_tokens=4, temperature=0.8)
             await (await kafka.send(p, topics.ROLLOUT_REQUESTS,
                                     RolloutRequest(group_id="g0", task=TASK, n=3, sampling=sp), "g0"))
             trajs = await read_topic(cfg.kafka, topics.TRAJECTORIES, Trajectory, 3)
             assert sorted(t.sample_index for t in trajs) == [0, 1, 2]
             assert all(t.group_id == "g0" and t.group_size == 3 and t.behaviour_version == 0 for t in trajs)
             assert all(len(t.completion_logprobs) == len(t.completion_ids) == len(t.loss_mask) for t in trajs)
+            assert all(t.temperature == 0.8 for t in trajs)  # the trainer scores at the sampling temperature
             dl = await read_topic(cfg.kafka, topics.DLQ, DeadLetter, 1)
             assert dl[0].source_topic == topics.ROLLOUT_REQUESTS and "task" in dl[0].reason
 
@@ -54,7 +55,7 @@ async def test_requests_become_trajectories_and_new_weights_are_used(tmp_path, r
             await asyncio.sleep(1.0)
             await (await kafka.send(p, topics.WEIGHTS, upd, upd.model))
             trajs = [t for t in await read_topic(cfg.kafka, topics.TRAJECTORIES, Trajectory, 5) if t.group_id == "g1"]
-            assert len(trajs) == 2 and all(t.behaviour_version == 1 for t in trajs)
+            assert len(trajs) == 2 and all(t.behaviour_version == 1 and t.temperature == 0.0 for t in trajs)
             # a prompt that cannot fit the context is refused as error samples, not generated
             long_task = TASK.model_copy(update={"prompt": [{"role": "user", "content": "x" * 600}]})
             await (await kafka.send(p, topics.ROLLOUT_REQUESTS, RolloutRequest(

@@ -204,3 +204,29 @@ def test_take_prefers_groups_whose_rewards_differ_when_asked():
     fill(buf2, "flat0", [0, 0])
     fill(buf2, "mixed", [1, 0])
     assert [g.group_id for g in buf2.take(1)] == ["flat0"]  # default: arrival order
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
+def test_trainer_scores_at_the_sampling_temperature(tiny, temperature):
+    """On-policy, the trainer's log-probs equal the rollout engine's behaviour log-probs (ratio 1)."""
+    from rollout_service.engine import GenerationRequest
+    from rollout_service.torch_engine import TorchEngine
+    from shared.model import load_tokenizer
+    from shared.schemas import SamplingParams
+
+    model = load_model(tiny)
+    engine = TorchEngine(model, load_tokenizer(tiny), seed=0)
+    prompt = [1, 2, 3, 4]
+    (samples,) = engine.generate([GenerationRequest(prompt, 4, SamplingParams(max_new_tokens=6,
+                                                                               temperature=temperature))])
+    rows = []
+    for i, s in enumerate(samples):
+        r = scored("g", i, comp=s.completion_ids or (5,), lps=s.logprobs or None, prompt=prompt)
+        r.trajectory.temperature = temperature
+        rows.append(r)
+    b = collate(rows, pad_id=0)
+    with torch.no_grad():
+        lp = completion_logprobs(model, b)
+    for i, s in enumerate(samples):
+        n = len(s.completion_ids)
+        torch.testing.assert_close(lp[i, :n], torch.tensor(s.logprobs), atol=2e-4, rtol=1e-4)
