@@ -115,7 +115,9 @@ class ExactSpec(BaseModel):
 
 
 class RegexSpec(BaseModel):
-    """Reward 1 when ``pattern`` matches the completion (``re.search``; anchor it with ``^`` for a prefix)."""
+    """Reward 1 when ``pattern`` matches the completion (``search`` of the ``regex`` package, a superset
+    of ``re``; anchor it with ``^`` for a prefix). The match runs under a timeout
+    (``verifier.regex_timeout_s``), so a pattern that backtracks catastrophically cannot stall the verifier."""
 
     model_config = ConfigDict(extra="forbid")
     kind: Literal["regex"] = "regex"
@@ -124,11 +126,11 @@ class RegexSpec(BaseModel):
     @field_validator("pattern")
     @classmethod
     def _compiles(cls, v: str) -> str:
-        import re
+        import regex
 
         try:
-            re.compile(v)
-        except re.error as e:
+            regex.compile(v)
+        except regex.error as e:
             raise ValueError(f"invalid regular expression: {e}") from e
         return v
 

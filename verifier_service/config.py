@@ -16,6 +16,8 @@ class VerifierConfig(BaseModel):
     """Attempts after the first when a scorer hits an infrastructure failure (sandbox down, timeout)."""
     retry_backoff_s: float = Field(0.5, ge=0, le=60)
     """Sleep before each infrastructure retry, doubled every attempt (seconds)."""
+    regex_timeout_s: float = Field(1.0, gt=0, le=60)
+    """Longest a ``regex`` verifier's match may run (seconds); past it the sample gets reward 0 with the error."""
     math_timeout_s: float = Field(5.0, gt=0, le=120)
     """Wall-clock bound of one math-verify comparison, enforced by the process pool (seconds)."""
     code_timeout_s: float = Field(10.0, gt=0, le=300)

@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 import httpx
+import regex
 
 from shared.schemas import ExactSpec, MathSpec, ReasoningGymSpec, RegexSpec, Reward, UnitTestsSpec
 from verifier_service.config import VerifierConfig
@@ -129,9 +130,16 @@ def score_exact(spec: ExactSpec, completion: str) -> Reward:
     return _reward(got == want, extracted=_clip(completion.strip()))
 
 
-def score_regex(spec: RegexSpec, completion: str) -> Reward:
-    """1 when ``re.search(spec.pattern, completion)`` matches; the match text goes to details."""
-    m = re.search(spec.pattern, completion)
+def score_regex(spec: RegexSpec, completion: str, timeout_s: float = 1.0) -> Reward:
+    """1 when ``regex.search(spec.pattern, completion)`` matches; the match text goes to details.
+
+    A match that runs longer than ``timeout_s`` seconds (catastrophic backtracking on this completion)
+    is reward 0 with the error in the details, like a scorer that raises on a model's answer.
+    """
+    try:
+        m = regex.search(spec.pattern, completion, timeout=timeout_s)
+    except TimeoutError:
+        return _reward(False, error=f"regex match timed out after {timeout_s} s")
     return _reward(m is not None, match=_clip(m.group(0)) if m else None)
 
 
@@ -250,7 +258,7 @@ class Scorer:
         """
         try:
             if isinstance(spec, RegexSpec):
-                return score_regex(spec, completion)
+                return await asyncio.to_thread(score_regex, spec, completion, self.cfg.regex_timeout_s)
             if isinstance(spec, ExactSpec):
                 return score_exact(spec, completion)
             if isinstance(spec, ReasoningGymSpec):

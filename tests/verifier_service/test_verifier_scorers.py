@@ -52,6 +52,16 @@ def test_exact_and_regex():
     assert scorers.score_regex(RegexSpec(pattern="^a"), "ba").total == 0.0
 
 
+async def test_catastrophic_regex_times_out_as_reward_zero_not_a_stalled_verifier():
+    """``(a|aa)+$`` on 40 a's and a '!' backtracks for minutes with ``re``; here it stops at the timeout."""
+    s = Scorer(VerifierConfig(regex_timeout_s=0.3))
+    t0 = time.monotonic()
+    r = await s.score(RegexSpec(pattern="(a|aa)+$"), "a" * 40 + "!")
+    assert time.monotonic() - t0 < 5
+    assert r.total == 0.0 and not r.infra_error and "timed out" in r.details["error"]
+    assert (await s.score(RegexSpec(pattern="(a|aa)+$"), "aaaa")).total == 1.0
+
+
 def _arith_items():
     return list(reasoning_gym.create_dataset(
         "basic_arithmetic", size=20, seed=1, min_terms=2, max_terms=2, min_digits=1, max_digits=1,
