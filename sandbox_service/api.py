@@ -21,6 +21,7 @@ from fastapi import FastAPI, HTTPException
 from sandbox_service import executor
 from sandbox_service.config import SandboxConfig
 from sandbox_service.schemas import ExecuteRequest, ExecuteResult, Status
+from shared.http import install_validation_handler
 
 log = logging.getLogger("sandbox.api")
 
@@ -65,6 +66,7 @@ def create_app(config: SandboxConfig) -> FastAPI:
 
     app = FastAPI(title="Flywheel sandbox", lifespan=lifespan)
     app.state.sandbox = state
+    install_validation_handler(app)
 
     @app.get("/healthz")
     async def healthz() -> dict:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import PurePosixPath
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from shared.schemas import require_utf8
 
 Status = Literal["ok", "runtime_error", "timeout", "memory_limit", "output_limit", "killed", "infra_error"]
 """Outcome of one execution.
@@ -52,11 +54,24 @@ class ExecuteRequest(BaseModel):
             raise ValueError(f"at most {MAX_FILES} files")
         if sum(len(c) for c in v.values()) > MAX_FILES_BYTES:
             raise ValueError(f"files hold more than {MAX_FILES_BYTES} characters in all")
+        seen: dict[PurePosixPath, str] = {}
         for name in v:
             p = PurePosixPath(name)
             if not name or "\x00" in name or "\\" in name or p.is_absolute() or ".." in p.parts or p == PurePosixPath("."):
                 raise ValueError(f"file path {name!r} must be relative, without '..', NUL or backslashes")
+            if p in seen:
+                raise ValueError(f"file paths {seen[p]!r} and {name!r} name the same file")
+            seen[p] = name
+        for p, name in seen.items():  # a file cannot also be a directory of another file
+            clash = next((seen[d] for d in p.parents if d in seen), None)
+            if clash is not None:
+                raise ValueError(f"file path {name!r} needs {clash!r} to be a directory, but it is a file")
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _utf8(cls, data: Any) -> Any:
+        return require_utf8(data)
 
 
 class ExecuteResult(BaseModel):

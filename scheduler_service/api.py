@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
-from fastapi import FastAPI, Request
-from fastapi.encoders import jsonable_encoder
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi import FastAPI
 
 from shared.config import FlywheelConfig
+from shared.http import install_validation_handler
 
 from scheduler_service.routes import evals, status, tasks
 from scheduler_service.state import SchedulerState
@@ -37,12 +34,5 @@ def create_app(config: FlywheelConfig, state: SchedulerState) -> FastAPI:
     app.state.config = config
     for r in (tasks.router, evals.router, status.router):
         app.include_router(r)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-        # FastAPI's own handler echoes the input as UTF-8 and fails (500) on a lone surrogate;
-        # ASCII-escaped JSON carries any string
-        body = json.dumps({"detail": jsonable_encoder(exc.errors())}, ensure_ascii=True)
-        return Response(body, status_code=422, media_type="application/json")
-
+    install_validation_handler(app)
     return app

@@ -32,7 +32,7 @@ def _check_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> Any:
     return value
 
 
-def _non_utf8_path(value: Any) -> str | None:
+def non_utf8_path(value: Any) -> str | None:
     """Path (``a.0.b``) of the first string or key in ``value`` that cannot be UTF-8 encoded (a lone
     surrogate such as ``"\\ud800"`` in JSON), or None when every one can."""
     stack: list[tuple[Any, str]] = [(value, "")]
@@ -52,6 +52,18 @@ def _non_utf8_path(value: Any) -> str | None:
         elif isinstance(v, (list, tuple)):
             stack.extend((c, f"{path}.{i}" if path else str(i)) for i, c in enumerate(v))
     return None
+
+
+def require_utf8(data: Any) -> Any:
+    """``data`` unchanged; for a ``mode="before"`` model validator.
+
+    Raises:
+        ValueError: a string or key in ``data`` is not valid UTF-8 text; the message names its path.
+    """
+    bad = non_utf8_path(data)
+    if bad is not None:
+        raise ValueError(f"{bad}: not valid UTF-8 text (a lone surrogate code point)")
+    return data
 
 
 class ChatMessage(BaseModel):
@@ -215,10 +227,7 @@ class TaskBody(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _utf8(cls, data: Any) -> Any:
-        bad = _non_utf8_path(data)
-        if bad is not None:
-            raise ValueError(f"{bad}: not valid UTF-8 text (a lone surrogate code point)")
-        return data
+        return require_utf8(data)
 
     @field_validator("prompt")
     @classmethod

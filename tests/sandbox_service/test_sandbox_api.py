@@ -165,6 +165,16 @@ def test_wrong_timeout_type_is_422_naming_field(client):
     assert any(e["loc"][-1] == "timeout_s" for e in r.json()["detail"])
 
 
+def test_lone_surrogate_is_422_naming_the_field(client):
+    """Valid JSON, not UTF-8 text: a 422 naming where it is, not a 500 or an infra_error."""
+    import json
+
+    body = json.dumps({"code": "print(1)", "files": {"data.txt": "x\ud800"}})
+    r = client.post("/v1/execute", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert "files.data.txt" in r.json()["detail"][0]["msg"]
+
+
 @pytest.mark.parametrize("body,field", [
     ({"code": ""}, "code"),
     ({"code": "1", "language": "ruby"}, "language"),
@@ -172,6 +182,8 @@ def test_wrong_timeout_type_is_422_naming_field(client):
     ({"code": "1", "files": {"/etc/passwd": "x"}}, "files"),
     ({"code": "1", "unknown": 1}, "unknown"),
     ({"code": "1", "timeout_s": -1}, "timeout_s"),
+    ({"code": "1", "files": {"a": "x", "a/b": "y"}}, "files"),  # a file cannot also be a directory
+    ({"code": "1", "files": {"a/b": "x", "./a/b": "y"}}, "files"),  # two names, one file
 ])
 def test_invalid_bodies_are_422(client, body, field):
     r = client.post("/v1/execute", json=body)
