@@ -47,6 +47,13 @@ class ExecuteRequest(BaseModel):
     output_limit_bytes: int | None = Field(None, ge=1, le=64 * 1024 * 1024)
     """Bytes of stdout and of stderr kept (each); ``None`` = the service default."""
 
+    @field_validator("code")
+    @classmethod
+    def _no_nul(cls, v: str) -> str:
+        if "\x00" in v:
+            raise ValueError("code contains a NUL character (Python would stop reading there)")
+        return v
+
     @field_validator("files")
     @classmethod
     def _check_files(cls, v: dict[str, str]) -> dict[str, str]:
@@ -59,6 +66,8 @@ class ExecuteRequest(BaseModel):
             p = PurePosixPath(name)
             if not name or "\x00" in name or "\\" in name or p.is_absolute() or ".." in p.parts or p == PurePosixPath("."):
                 raise ValueError(f"file path {name!r} must be relative, without '..', NUL or backslashes")
+            if any(len(part.encode("utf-8")) > 255 for part in p.parts) or len(name.encode("utf-8")) > 1024:
+                raise ValueError(f"file path {name[:64]!r}... is too long (255 bytes a name, 1024 a path)")
             if p in seen:
                 raise ValueError(f"file paths {seen[p]!r} and {name!r} name the same file")
             seen[p] = name

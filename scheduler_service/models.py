@@ -9,9 +9,9 @@ from __future__ import annotations
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from shared.schemas import Task, TaskBody
+from shared.schemas import Task, TaskBody, check_task_id
 
 
 class TaskCreate(TaskBody):
@@ -19,6 +19,11 @@ class TaskCreate(TaskBody):
 
     task_id: str | None = Field(None, min_length=1, max_length=512)
     """Stable id; a uuid4 hex is assigned when missing. Re-posting the same id and content is idempotent."""
+
+    @field_validator("task_id")
+    @classmethod
+    def _addressable(cls, v: str | None) -> str | None:
+        return v if v is None else check_task_id(v)
 
     def to_task(self) -> Task:
         """The Task record (with a fresh uuid4 hex id when none was given)."""
@@ -57,7 +62,7 @@ class EvalCreate(BaseModel):
     """Body of ``POST /v1/evals``."""
 
     model_config = ConfigDict(extra="forbid")
-    min_policy_version: int | None = Field(None, ge=0)
+    min_policy_version: int | None = Field(None, ge=0, le=2**53)
     """Policy version the items must be generated with at least (``None`` = the current one)."""
 
 

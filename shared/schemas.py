@@ -7,6 +7,7 @@ flywheel.dlq as a :class:`DeadLetter` with the reason (see ``shared.kafka``).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union
 
@@ -22,6 +23,12 @@ MAX_JSON_DEPTH = 32
 
 
 def _check_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> Any:
+    """``value`` unchanged when it is JSON the registry and Kafka can carry exactly.
+
+    Raises:
+        ValueError: nested deeper than ``limit``, an integer outside 64 bits (orjson cannot encode
+            it), or a NaN/Infinity float (JSON has none; it would silently become null).
+    """
     stack = [(value, 1)]
     while stack:
         v, d = stack.pop()
@@ -29,6 +36,12 @@ def _check_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> Any:
             if d > limit:
                 raise ValueError(f"nested deeper than {limit} levels")
             stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+        elif isinstance(v, bool):
+            continue
+        elif isinstance(v, int) and not -(2**63) <= v < 2**64:
+            raise ValueError(f"integer {v} does not fit in 64 bits")
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"{v} is not a finite number (JSON has no NaN or Infinity)")
     return value
 
 
@@ -41,8 +54,8 @@ def non_utf8_path(value: Any) -> str | None:
         if isinstance(v, str):
             try:
                 v.encode("utf-8")
-            except UnicodeEncodeError:
-                return path or "(value)"
+            except UnicodeEncodeError:  # the path may hold the bad key itself: show it escaped
+                return (path or "(value)").encode("utf-8", "backslashreplace").decode("utf-8")
         elif isinstance(v, dict):
             for k, c in v.items():
                 sub = f"{path}.{k}" if path else str(k)
@@ -237,11 +250,27 @@ class TaskBody(BaseModel):
         return v
 
 
+def check_task_id(v: str) -> str:
+    """``v`` unchanged when it can be addressed as ``GET /v1/tasks/<id>``.
+
+    Raises:
+        ValueError: it is ``.`` or ``..`` (clients collapse those URL segments).
+    """
+    if v in (".", ".."):
+        raise ValueError("a task id cannot be '.' or '..' (URLs collapse those segments)")
+    return v
+
+
 class Task(Record, TaskBody):
     """flywheel.tasks, key task_id. Producer: scheduler (on registration). Consumers: analytics."""
 
     SCHEMA: ClassVar[str] = "flywheel.Task"
     task_id: str = Field(min_length=1, max_length=512)
+
+    @field_validator("task_id")
+    @classmethod
+    def _url_safe(cls, v: str) -> str:
+        return check_task_id(v)
 
 
 class RolloutRequest(Record):

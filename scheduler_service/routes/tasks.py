@@ -28,7 +28,7 @@ async def create_tasks(body: TaskBatchCreate, state: StateDep) -> TaskIds:
     return TaskIds(task_ids=ids)
 
 
-@router.get("/{task_id}", response_model=TaskPublic)
+@router.get("/{task_id:path}", response_model=TaskPublic)  # ids may contain "/"
 def get_task(task_id: str, state: StateDep) -> TaskPublic:
     """State and pass rate of one task. Errors: 404 when unknown."""
     row = state.registry.get_task(task_id)

@@ -173,6 +173,9 @@ def test_lone_surrogate_is_422_naming_the_field(client):
     r = client.post("/v1/execute", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 422, r.text
     assert "files.data.txt" in r.json()["detail"][0]["msg"]
+    body = json.dumps({"code": "print(1)", "files": {"\ud800": "x"}})  # in a key: the message escapes it
+    r = client.post("/v1/execute", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "files.\\ud800" in r.json()["detail"][0]["msg"], r.text
 
 
 @pytest.mark.parametrize("body,field", [
@@ -184,6 +187,8 @@ def test_lone_surrogate_is_422_naming_the_field(client):
     ({"code": "1", "timeout_s": -1}, "timeout_s"),
     ({"code": "1", "files": {"a": "x", "a/b": "y"}}, "files"),  # a file cannot also be a directory
     ({"code": "1", "files": {"a/b": "x", "./a/b": "y"}}, "files"),  # two names, one file
+    ({"code": "1", "files": {"a" * 300: "x"}}, "files"),  # longer than a file name can be
+    ({"code": "print(1)\x00import os", "files": {}}, "code"),  # Python would stop reading at the NUL
 ])
 def test_invalid_bodies_are_422(client, body, field):
     r = client.post("/v1/execute", json=body)

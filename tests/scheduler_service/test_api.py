@@ -52,6 +52,36 @@ async def test_lone_surrogate_is_422_naming_the_field(make_config, running, task
         assert state.registry.task_counts() == {"train": 0, "eval": 0}
 
 
+@pytest.mark.parametrize("raw, field", [
+    ('"metadata": {"a": 18446744073709551616}', "64 bits"),  # orjson cannot store it
+    ('"metadata": {"a": NaN, "b": Infinity}', "finite"),  # would silently become null
+    ('"metadata": {"\\ud800": 1}', "\\ud800"),  # a lone surrogate in a key, named escaped
+    ('"task_id": ".."', "task id"),  # not addressable as a URL segment
+])
+async def test_unstorable_json_is_422_and_stores_nothing(make_config, running, task, unique, raw, field):
+    import json
+
+    good = json.dumps(task(f"good-{unique}"))
+    bad = json.dumps(task(f"bad-{unique}"))[:-1] + ", " + raw + "}"
+    if '"task_id": ".."' in raw:
+        bad = json.dumps(task())[:-1] + ", " + raw + "}"
+    async with running(make_config(), kafka=False) as (client, state):
+        r = await client.post("/v1/tasks", content=f'{{"tasks": [{good}, {bad}]}}',
+                              headers={"content-type": "application/json"})
+        assert r.status_code == 422, r.text
+        assert field in r.json()["detail"][0]["msg"], r.json()
+        assert state.registry.task_counts() == {"train": 0, "eval": 0}
+
+
+async def test_task_ids_with_a_slash_can_be_read_back(make_config, running, task):
+    async with running(make_config(), kafka=False) as (client, _):
+        r = await client.post("/v1/tasks", json={"tasks": [task("HumanEval/0")]})
+        assert r.status_code == 202, r.text
+        r = await client.get("/v1/tasks/HumanEval%2F0")
+        assert r.status_code == 200 and r.json()["task_id"] == "HumanEval/0"
+        assert (await client.post("/v1/evals", json={"min_policy_version": 2**63})).status_code == 422
+
+
 async def test_empty_batch_is_422(make_config, running):
     async with running(make_config(), kafka=False) as (client, _):
         r = await client.post("/v1/tasks", json={"tasks": []})
