@@ -95,9 +95,7 @@ class CheckpointStore:
         d = self.version_dir(update.version)
         torch.save(trainer_state, d / "trainer_state.pt.tmp")
         os.replace(d / "trainer_state.pt.tmp", d / "trainer_state.pt")
-        latest_tmp = self.root / "latest.json.tmp"
-        latest_tmp.write_bytes(update.encode())
-        os.replace(latest_tmp, self.root / "latest.json")
+        self._set_latest(update)
         self.prune()
 
     def save(self, weights: dict[str, torch.Tensor], model_name: str, version: int, step: int,
@@ -107,10 +105,14 @@ class CheckpointStore:
         if trainer_state is not None:
             self.save_trainer_state(update, trainer_state)
         else:
-            latest_tmp = self.root / "latest.json.tmp"
-            latest_tmp.write_bytes(update.encode())
-            os.replace(latest_tmp, self.root / "latest.json")
+            self._set_latest(update)
         return update
+
+    def _set_latest(self, update: WeightUpdate) -> None:
+        """Point ``latest.json`` at ``update`` (atomic replace)."""
+        tmp = self.root / "latest.json.tmp"
+        tmp.write_bytes(update.encode())
+        os.replace(tmp, self.root / "latest.json")
 
     def latest(self) -> WeightUpdate | None:
         """The newest complete version's WeightUpdate (weights and trainer state), or None."""

@@ -22,7 +22,7 @@ MAX_JSON_DEPTH = 32
 """Deepest nesting accepted in free-form JSON fields (metadata, dataset entries)."""
 
 
-def _check_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> Any:
+def _check_json(value: Any, limit: int = MAX_JSON_DEPTH) -> Any:
     """``value`` unchanged when it is JSON the registry and Kafka can carry exactly.
 
     Raises:
@@ -45,7 +45,7 @@ def _check_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> Any:
     return value
 
 
-def non_utf8_path(value: Any) -> str | None:
+def _non_utf8_path(value: Any) -> str | None:
     """Path (``a.0.b``) of the first string or key in ``value`` that cannot be UTF-8 encoded (a lone
     surrogate such as ``"\\ud800"`` in JSON), or None when every one can."""
     stack: list[tuple[Any, str]] = [(value, "")]
@@ -73,7 +73,7 @@ def require_utf8(data: Any) -> Any:
     Raises:
         ValueError: a string or key in ``data`` is not valid UTF-8 text; the message names its path.
     """
-    bad = non_utf8_path(data)
+    bad = _non_utf8_path(data)
     if bad is not None:
         raise ValueError(f"{bad}: not valid UTF-8 text (a lone surrogate code point)")
     return data
@@ -102,8 +102,8 @@ class ReasoningGymSpec(BaseModel):
 
     @field_validator("entry")
     @classmethod
-    def _shallow(cls, v: dict[str, Any]) -> dict[str, Any]:
-        return _check_depth(v)
+    def _storable(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return _check_json(v)
 
 
 class MathSpec(BaseModel):
@@ -234,8 +234,8 @@ class TaskBody(BaseModel):
 
     @field_validator("metadata")
     @classmethod
-    def _shallow(cls, v: dict[str, Any]) -> dict[str, Any]:
-        return _check_depth(v)
+    def _storable(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return _check_json(v)
 
     @model_validator(mode="before")
     @classmethod

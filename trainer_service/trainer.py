@@ -44,7 +44,7 @@ class Batch:
     completion_mask: torch.Tensor
     behaviour_logprobs: torch.Tensor
     loss_mask: torch.Tensor
-    temperature: torch.Tensor | None = None
+    temperature: torch.Tensor
 
 
 def collate(rows: list[ScoredTrajectory], pad_id: int, dtype: torch.dtype = torch.float32) -> Batch:
@@ -105,8 +105,7 @@ def completion_logprobs(model: torch.nn.Module, batch: Batch, autocast_bf16: boo
     w = model.lm_head.weight
     logits = torch.nn.functional.linear(hidden.to(w.dtype), w)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if batch.temperature is not None:  # the distribution the rollout sampled from: logits / T
-        logits = logits / batch.temperature.to(logits.dtype)[:, None, None]
+    logits = logits / batch.temperature.to(logits.dtype)[:, None, None]  # what the rollout sampled from
     return torch.log_softmax(logits, dim=-1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
 
 
@@ -143,14 +142,15 @@ class PolicyTrainer:
                                                         rows[i].trajectory.prompt_ids,
                                                         len(rows[i].trajectory.completion_ids)))
         rows, advantages = [rows[i] for i in order], advantages[order]
-        n_tokens = max(1.0, float(sum(sum(r.trajectory.loss_mask) for r in rows)))
+        tokens = [sum(r.trajectory.loss_mask) for r in rows]
+        n_tokens = max(1.0, float(sum(tokens)))
         # the denominator counts every row, including those skipped below
         normalizer = batch_normalizer([r.trajectory.loss_mask for r in rows], self.loss_cfg)
         # a row with advantage exactly 0 (its group's rewards are all equal) has loss and gradient exactly 0
         # (no KL term): skip its forward and backward, the step is the same
         live = [i for i in range(len(rows)) if advantages[i] != 0]
         live_rows, live_adv = [rows[i] for i in live], advantages[live]
-        live_tokens = max(1.0, float(sum(sum(r.trajectory.loss_mask) for r in live_rows)))
+        live_tokens = max(1.0, float(sum(tokens[i] for i in live)))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {"loss/pg": 0.0, "loss/clip_frac_sum": 0.0, "loss/kl_behaviour_sum": 0.0,

@@ -18,9 +18,9 @@ TRL's GRPOTrainer.
 
 from __future__ import annotations
 
-import torch
 from typing import Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 
