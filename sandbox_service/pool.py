@@ -1,0 +1,405 @@
+"""The service side of the sandbox: a pool of warm workers, retries, recycling and a circuit breaker.
+
+Each slot is one :mod:`sandbox_service.worker` process, talked to over its stdin/stdout with
+length-prefixed orjson frames. An execution takes an idle worker, sends the request, and waits
+for the result with a backstop deadline (the run's own limit + :data:`BACKSTOP_SLACK_S`).
+
+Environment failures (the worker died or hung, a torn frame, set-up failure inside the sandbox)
+are never the program's fault: the worker is killed and replaced, and the execution is retried
+on another worker up to ``retries`` times, then reported as ``infra_error``. A circuit breaker
+watches the share of failed attempts over the last ``breaker_window`` attempts; while it is open
+the service refuses new work (HTTP 503) and says so on ``/healthz``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import signal
+import struct
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import get_args
+
+import orjson
+
+from sandbox_service.config import SandboxConfig
+from sandbox_service.isolation import Capabilities
+from sandbox_service.schemas import ExecuteRequest, ExecuteResult, Status
+from sandbox_service.worker import isolation_layers
+
+log = logging.getLogger("sandbox.pool")
+
+BACKSTOP_SLACK_S = 10.0
+"""Seconds past a run's own wall limit after which its worker is considered hung and killed."""
+_PKG_ROOT = str(Path(__file__).resolve().parents[1])
+_SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
+
+
+class WorkerFailure(Exception):
+    """The worker process failed (died, hung, or answered a torn frame); the attempt is an environment failure."""
+
+
+class WorkerHandle:
+    """One worker process and its pipes."""
+
+    def __init__(self, index: int, cfg: SandboxConfig, layers: list[str], caps: Capabilities) -> None:
+        self.index = index
+        self.cfg, self.layers, self.caps = cfg, layers, caps
+        self.name = f"{os.getpid()}-slot{index}-{uuid.uuid4().hex[:6]}"
+        self.proc: asyncio.subprocess.Process | None = None
+        self.runs = 0
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    async def start(self) -> None:
+        """Spawn the worker and wait for its ready frame. Raises WorkerFailure with the worker's reason."""
+        python = self.cfg.python or sys.executable
+        args = [python, "-s", "-B", "-m", "sandbox_service.worker", "--slot", self.name, "--layers", ",".join(self.layers),
+                "--landlock-abi", str(self.caps.landlock_abi), "--python", python]
+        if "uid" in self.layers and self.cfg.uid_base is not None:
+            args += ["--uid", str(self.cfg.uid_base + self.index)]
+        if self.caps.cgroup and "cgroups" in self.layers:
+            args += ["--cgroup", self.caps.cgroup]
+        env = {"PATH": _SAFE_PATH, "LANG": "C.UTF-8", "PYTHONPATH": _PKG_ROOT}  # nothing of the service's own
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env, cwd="/",
+                start_new_session=True, limit=2**26)
+        except OSError as e:
+            raise WorkerFailure(f"cannot start worker {self.name} with {python}: {e}") from None
+        try:
+            hello = await asyncio.wait_for(self._read(), self.cfg.worker_start_timeout_s)
+        except (WorkerFailure, asyncio.TimeoutError) as e:
+            self.kill()
+            raise WorkerFailure(f"worker {self.name} did not start: {e!r}") from None
+        if not hello.get("ready"):
+            self.kill()
+            raise WorkerFailure(hello.get("error", f"worker {self.name} did not start"))
+
+    async def _read(self) -> dict:
+        assert self.proc and self.proc.stdout
+        try:
+            head = await self.proc.stdout.readexactly(4)
+            (n,) = struct.unpack(">I", head)
+            return orjson.loads(await self.proc.stdout.readexactly(n))
+        except (asyncio.IncompleteReadError, orjson.JSONDecodeError, ConnectionError) as e:
+            raise WorkerFailure(f"worker {self.name} closed its pipe or sent a torn frame: {e!r}") from None
+
+    async def request(self, req: dict, timeout_s: float) -> dict:
+        """Send one request frame, wait for the result frame. Raises WorkerFailure (the worker is then unusable)."""
+        if not self.alive:
+            raise WorkerFailure(f"worker {self.name} is not running")
+        assert self.proc and self.proc.stdin
+        body = orjson.dumps(req)
+        try:
+            self.proc.stdin.write(struct.pack(">I", len(body)) + body)
+            await self.proc.stdin.drain()
+            return await asyncio.wait_for(self._read(), timeout_s)
+        except (ConnectionError, BrokenPipeError) as e:
+            raise WorkerFailure(f"worker {self.name} pipe broke: {e!r}") from None
+        except asyncio.TimeoutError:
+            raise WorkerFailure(f"worker {self.name} did not answer within {timeout_s:.1f} s") from None
+        finally:
+            self.runs += 1
+
+    def kill(self) -> None:
+        """SIGKILL the worker's whole process group (its supervisor and run die with it)."""
+        if self.proc is not None and self.proc.returncode is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Ask the worker to stop (close its request pipe); SIGKILL it after ``timeout_s``."""
+        if self.proc is None:
+            return
+        if self.proc.stdin and not self.proc.stdin.is_closing():
+            self.proc.stdin.close()
+        try:
+            await asyncio.wait_for(self.proc.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            self.kill()
+            await self.proc.wait()
+
+
+class CircuitBreaker:
+    """Opens when environment failures reach ``ratio`` of the last ``window`` attempts; one trial after ``cooldown_s``."""
+
+    def __init__(self, window: int, ratio: float, cooldown_s: float) -> None:
+        self.window = collections.deque(maxlen=window)
+        self.ratio, self.cooldown_s = ratio, cooldown_s
+        self.state = "closed"
+        self.opened_at = 0.0
+        self.trial_in_flight = False
+        self.opened_count = 0
+
+    def allow(self) -> bool:
+        """Whether a new execution may start now (moves open -> half_open after the cool-down)."""
+        if self.state == "closed":
+            return True
+        if self.state == "open" and time.monotonic() - self.opened_at >= self.cooldown_s:
+            self.state = "half_open"
+        if self.state == "half_open" and not self.trial_in_flight:
+            self.trial_in_flight = True
+            return True
+        return False
+
+    def record(self, env_failure: bool) -> None:
+        """Count one attempt's outcome."""
+        if self.state == "half_open":
+            self.trial_in_flight = False
+            if env_failure:
+                self._open()
+            else:
+                self.state = "closed"
+                self.window.clear()
+            return
+        self.window.append(env_failure)
+        if (self.state == "closed" and len(self.window) == self.window.maxlen
+                and sum(self.window) >= self.ratio * len(self.window)):
+            self._open()
+
+    def _open(self) -> None:
+        self.state, self.opened_at = "open", time.monotonic()
+        self.opened_count += 1
+        log.error("sandbox circuit breaker OPEN: %d of the last %d attempts failed in the environment",
+                  sum(self.window), len(self.window))
+
+    def snapshot(self) -> dict:
+        return {"state": self.state, "recent_failures": sum(self.window), "window": len(self.window),
+                "times_opened": self.opened_count}
+
+
+class Overloaded(Exception):
+    """No execution can start now (queue full, breaker open, shutting down); maps to HTTP 503."""
+
+
+class Pool:
+    """Warm workers plus the retry, recycling and breaker policy (one per service process)."""
+
+    def __init__(self, cfg: SandboxConfig, caps: Capabilities) -> None:
+        self.cfg, self.caps = cfg, caps
+        available = set(isolation_layers()) - set(caps.problems)
+        if cfg.uid_base is None:
+            available.discard("uid")
+        self.layers = sorted(available - set(cfg.disable_layers))
+        self.degraded = sorted(set(isolation_layers()) - set(self.layers))
+        self.network_isolated = "namespaces" in self.layers or "seccomp" in self.layers
+        self.idle: asyncio.Queue[WorkerHandle] = asyncio.Queue()
+        self.workers: dict[int, WorkerHandle] = {}
+        self.breaker = CircuitBreaker(cfg.breaker_window, cfg.breaker_failure_ratio, cfg.breaker_cooldown_s)
+        self.waiting = 0
+        self.running = 0
+        self.closing = False
+        self.counters = collections.Counter()
+        self.runs: dict[str, int] = {s: 0 for s in get_args(Status)}
+        self.latency = [0] * len(LATENCY_BUCKETS_S)
+        self.latency_sum = 0.0
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        """Start every worker. Raises RuntimeError when none starts (the reason of the first failure)."""
+        results = await asyncio.gather(*(self._spawn(i) for i in range(self.cfg.max_concurrency)),
+                                       return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if len(errors) == len(results):
+            raise RuntimeError(f"sandbox: no worker started: {errors[0]}")
+        for e in errors:
+            log.error("sandbox worker failed to start: %s", e)
+            self._replace_later(None)
+
+    async def _spawn(self, index: int) -> WorkerHandle:
+        w = WorkerHandle(index, self.cfg, self.layers, self.caps)
+        await w.start()
+        self.workers[index] = w
+        self.idle.put_nowait(w)
+        self.counters["workers_started"] += 1
+        return w
+
+    def _replace_later(self, dead: WorkerHandle | None) -> None:
+        """Kill ``dead`` (if any) and start a replacement for its slot in the background."""
+        index = dead.index if dead else next(i for i in range(self.cfg.max_concurrency) if i not in self.workers)
+        if dead is not None:
+            dead.kill()
+            self.workers.pop(index, None)
+
+        async def respawn() -> None:
+            for delay in (0.0, 0.5, 2.0, 5.0, 10.0):
+                if self.closing:
+                    return
+                await asyncio.sleep(delay)
+                try:
+                    await self._spawn(index)
+                    return
+                except WorkerFailure as e:
+                    log.error("sandbox worker %d restart failed: %s", index, e)
+            self.counters["worker_restart_gave_up"] += 1
+
+        t = asyncio.create_task(respawn())
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _acquire(self) -> WorkerHandle:
+        while True:
+            w = await self.idle.get()
+            if w.alive:
+                return w
+            self.counters["workers_found_dead"] += 1
+            self._replace_later(w)
+
+    def admit(self) -> None:
+        """Raise Overloaded when a new execution must be refused now."""
+        if self.closing:
+            raise Overloaded("sandbox is shutting down")
+        if self.idle.empty() and self.waiting >= self.cfg.max_queued:
+            raise Overloaded(f"sandbox overloaded: {self.waiting} executions already waiting")
+        if not self.breaker.allow():
+            raise Overloaded("sandbox circuit breaker is open: the execution environment is failing")
+
+    async def execute(self, req: ExecuteRequest, run_id: str | None = None) -> ExecuteResult:
+        """Run ``req`` on a warm worker, retrying environment failures; call :meth:`admit` first.
+
+        Returns the result; ``infra_error`` only after ``1 + retries`` failed attempts.
+        Raises asyncio.CancelledError when cancelled (the worker in use is killed and replaced).
+        """
+        run_id = run_id or uuid.uuid4().hex
+        wire = self._wire(req)
+        backstop = wire["limits"]["timeout_s"] + BACKSTOP_SLACK_S
+        last_error = ""
+        t0 = time.monotonic()
+        attempt = 0
+        for attempt in range(1, self.cfg.retries + 2):
+            self.waiting += 1
+            try:
+                w = await self._acquire()
+            finally:
+                self.waiting -= 1
+            self.running += 1
+            try:
+                raw = await w.request(wire, backstop)
+            except WorkerFailure as e:
+                raw = {"infra_error": str(e)}
+                self._replace_later(w)
+                w = None
+            except BaseException:
+                self._replace_later(w)
+                raise
+            finally:
+                self.running -= 1
+            env_failure = "infra_error" in raw or raw.get("status") == "infra_error"
+            if w is not None:
+                if env_failure:  # never reuse a worker whose environment just failed
+                    self._replace_later(w)
+                elif w.runs >= self.cfg.recycle_after_runs:
+                    self.counters["workers_recycled"] += 1
+                    self._recycle(w)
+                else:
+                    self.idle.put_nowait(w)
+            self.breaker.record(env_failure)
+            self.counters["attempts"] += 1
+            if not env_failure:
+                break
+            self.counters["environment_failures"] += 1
+            last_error = raw.get("infra_error") or raw.get("stderr", "")
+            log.warning("sandbox attempt %d of run %s failed in the environment: %s", attempt, run_id, last_error)
+        else:
+            raw = {"status": "infra_error", "exit_code": None, "stdout": "",
+                   "stderr": f"sandbox: the environment failed {attempt} times; last: {last_error}", "wall_s": 0.0}
+        raw.pop("infra_error", None)
+        raw.pop("foreign_result_lines", None)
+        raw.update(run_id=run_id, attempts=attempt, network_isolated=self.network_isolated, degraded=self.degraded)
+        result = ExecuteResult(**raw)
+        self._count(result, time.monotonic() - t0)
+        return result
+
+    def _recycle(self, w: WorkerHandle) -> None:
+        self.workers.pop(w.index, None)
+
+        async def replace() -> None:
+            await w.close()
+            if not self.closing:
+                try:
+                    await self._spawn(w.index)
+                except WorkerFailure as e:
+                    log.error("sandbox worker %d could not be recycled: %s", w.index, e)
+                    self._replace_later(None)
+
+        t = asyncio.create_task(replace())
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def _wire(self, req: ExecuteRequest) -> dict:
+        c = self.cfg
+        timeout = req.timeout_s if req.timeout_s is not None else c.default_timeout_s
+        return {
+            "language": req.language, "code": req.code, "stdin": req.stdin, "files": req.files,
+            "tests": [t.model_dump() for t in req.tests] if req.tests is not None else None,
+            "entry_point": req.entry_point, "fresh_interpreter": req.fresh_interpreter,
+            "limits": {
+                "timeout_s": timeout,
+                "cpu_time_s": req.cpu_time_s if req.cpu_time_s is not None else timeout,
+                "memory_mb": req.memory_mb if req.memory_mb is not None else c.default_memory_mb,
+                "max_processes": req.max_processes if req.max_processes is not None else c.default_max_processes,
+                "disk_mb": req.disk_mb if req.disk_mb is not None else c.default_disk_mb,
+                "output_limit_bytes": (req.output_limit_bytes if req.output_limit_bytes is not None
+                                       else c.default_output_limit_bytes),
+                "cpu_cores": c.cpu_cores,
+            },
+        }
+
+    def _count(self, r: ExecuteResult, seconds: float) -> None:
+        self.runs[r.status] += 1
+        self.latency_sum += seconds
+        for i, b in enumerate(LATENCY_BUCKETS_S):
+            if seconds <= b:
+                self.latency[i] += 1
+                break
+
+    def health(self) -> dict:
+        """State for ``/healthz``."""
+        alive = sum(w.alive for w in self.workers.values())
+        ok = self.breaker.state == "closed" and alive > 0 and not self.closing
+        return {
+            "status": ("ok" if not self.degraded else "degraded") if ok else "unavailable",
+            "layers": self.layers, "degraded": self.degraded, "network_isolated": self.network_isolated,
+            "cgroup": self.caps.cgroup, "landlock_abi": self.caps.landlock_abi,
+            "workers": {"configured": self.cfg.max_concurrency, "alive": alive, "idle": self.idle.qsize(),
+                        "pids": sorted(w.proc.pid for w in self.workers.values() if w.alive and w.proc)},
+            "breaker": self.breaker.snapshot(), "runs": dict(self.runs), "running": self.running,
+            "waiting": self.waiting, "counters": dict(self.counters),
+        }
+
+    def prometheus(self) -> str:
+        """Counters and the latency histogram in the Prometheus text format (for ``/metrics``)."""
+        lines = ["# TYPE flywheel_sandbox_runs_total counter"]
+        lines += [f'flywheel_sandbox_runs_total{{status="{s}"}} {n}' for s, n in self.runs.items()]
+        for k in ("attempts", "environment_failures", "workers_started", "workers_recycled", "workers_found_dead"):
+            lines += [f"# TYPE flywheel_sandbox_{k}_total counter", f"flywheel_sandbox_{k}_total {self.counters[k]}"]
+        lines += ["# TYPE flywheel_sandbox_breaker_open gauge",
+                  f"flywheel_sandbox_breaker_open {int(self.breaker.state != 'closed')}",
+                  "# TYPE flywheel_sandbox_execution_seconds histogram"]
+        acc = 0
+        for b, n in zip(LATENCY_BUCKETS_S, self.latency):
+            acc += n
+            lines.append(f'flywheel_sandbox_execution_seconds_bucket{{le="{"+Inf" if b == float("inf") else b}"}} {acc}')
+        lines += [f"flywheel_sandbox_execution_seconds_sum {self.latency_sum:.6f}",
+                  f"flywheel_sandbox_execution_seconds_count {acc}"]
+        return "\n".join(lines) + "\n"
+
+    async def close(self) -> None:
+        """Stop every worker (and the runs in them)."""
+        self.closing = True
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*(w.close(timeout_s=2.0) for w in list(self.workers.values())), return_exceptions=True)
+        for w in list(self.workers.values()):
+            w.kill()

@@ -1,0 +1,112 @@
+"""Test-harness mode (results over the private channel), the languages, and the typed result fields."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from fastapi.testclient import TestClient
+
+from sandbox_service.api import create_app
+from sandbox_service.config import SandboxConfig
+
+SOLUTION = "def add(a, b):\n    return a + b\n"
+TESTS = [{"name": "small", "code": "assert add(1, 2) == 3"}, {"name": "neg", "code": "assert add(-1, -1) == -2"}]
+
+
+@pytest.fixture(scope="module")
+def client():
+    with TestClient(create_app(SandboxConfig(max_concurrency=2))) as c:
+        yield c
+
+
+def run(client: TestClient, code: str, **kw) -> dict:
+    r = client.post("/v1/execute", json={"code": code, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def statuses(res: dict) -> list[str]:
+    return [t["status"] for t in res["tests"]]
+
+
+def test_correct_solution_passes_every_test(client):
+    res = run(client, SOLUTION, tests=TESTS)
+    assert statuses(res) == ["passed", "passed"], res
+    assert (res["tests_passed"], res["tests_total"]) == (2, 2)
+
+
+def test_wrong_solution_fails_with_the_assert_named(client):
+    res = run(client, "def add(a, b):\n    return abs(a) + abs(b)\n", tests=TESTS)
+    assert statuses(res) == ["passed", "failed"], res
+    assert "add(-1, -1) == -2" in res["tests"][1]["message"]
+    assert res["tests_passed"] == 1
+
+
+def test_human_eval_check_convention(client):
+    check = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(0, 0) == 0\n"
+    assert statuses(run(client, SOLUTION, tests=[{"name": "check", "code": check}], entry_point="add")) == ["passed"]
+    wrong = run(client, "def add(a, b):\n    return 5\n", tests=[{"name": "check", "code": check}], entry_point="add")
+    assert statuses(wrong) == ["failed"]
+
+
+@pytest.mark.parametrize("code,expected", [
+    ("import sys\nsys.exit(0)\n" + SOLUTION, "error"),  # exits while loading: fails every test
+    ("import os\nos._exit(0)\n" + SOLUTION, "not_run"),  # exit code 0, nothing reported
+    (SOLUTION + "print('passed'); print('2 passed, 0 failed')\n", "passed"),  # printing does nothing...
+    ("import os\nos.write(3, b'{\"token\": \"guess\", \"i\": 0, \"status\": \"passed\"}\\n')\n"
+     "def add(a, b):\n    return 0\n", "failed"),  # a forged line without the run's token is ignored
+])
+def test_exit_codes_and_output_cannot_fake_a_pass(client, code, expected):
+    res = run(client, code, tests=TESTS)
+    assert statuses(res)[0] == expected, res
+    if expected == "passed":  # ...the real results decide
+        assert res["tests_passed"] == 2
+    else:
+        assert res["tests_passed"] == 0
+
+
+def test_sys_exit_inside_a_test_is_an_error_not_a_pass(client):
+    res = run(client, "def add(a, b):\n    raise SystemExit(0)\n", tests=TESTS)
+    assert statuses(res) == ["error", "error"]
+
+
+def test_a_hanging_test_times_out_and_later_tests_are_not_passed(client):
+    tests = [TESTS[0], {"name": "hang", "code": "while True: pass"}, TESTS[1]]
+    res = run(client, SOLUTION, tests=tests, timeout_s=1.0)
+    assert res["status"] == "timeout"
+    assert statuses(res) == ["passed", "timeout", "timeout"]
+
+
+def test_tests_need_python(client):
+    r = client.post("/v1/execute", json={"code": "echo hi", "language": "bash", "tests": TESTS})
+    assert r.status_code == 422 and "tests" in r.text
+
+
+def test_result_fields(client):
+    res = run(client, "x = bytearray(50 * 1024 * 1024)\nsum(range(10**6))\nprint('ok')")
+    assert res["status"] == "ok"
+    assert res["cpu_s"] is not None and 0 < res["cpu_s"] < 5
+    assert res["peak_memory_bytes"] >= 50 * 1024 * 1024
+    assert res["attempts"] == 1 and res["degraded"] == [] and res["network_isolated"] is True
+
+
+def test_bash(client):
+    res = run(client, "read x; echo \"got $x\"; ls /work", language="bash", stdin="42\n")
+    assert (res["status"], res["stdout"]) == ("ok", "got 42\nmain.sh\n"), res
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not installed")
+def test_c_and_cpp(client):
+    c = run(client, '#include <stdio.h>\nint main(void){int x; scanf("%d", &x); printf("%d\\n", x * 2); return 0;}',
+            language="c", stdin="21")
+    assert (c["status"], c["stdout"]) == ("ok", "42\n"), c
+    cpp = run(client, "#include <iostream>\nint main(){std::cout << \"hi\" << std::endl; return 3;}", language="cpp")
+    assert (cpp["status"], cpp["exit_code"], cpp["stdout"]) == ("runtime_error", 3, "hi\n"), cpp
+    bad = run(client, "int main( {", language="c")
+    assert bad["status"] == "runtime_error" and "error" in bad["stderr"], bad
+
+
+def test_fresh_interpreter(client):
+    res = run(client, "import sys\nprint(sys.flags.isolated, 'json' in sys.modules)", fresh_interpreter=True)
+    assert (res["status"], res["stdout"]) == ("ok", "1 False\n"), res

@@ -1,0 +1,111 @@
+"""Environment failures: retried on a fresh worker, infra_error when they persist, a circuit breaker,
+worker recycling, and the refusal to run with weaker isolation unless told to."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from sandbox_service.api import create_app
+from sandbox_service.config import SandboxConfig
+
+SLOW = "import time\ntime.sleep(0.6)\nprint('done')"
+
+
+def _kill_workers(app) -> int:
+    n = 0
+    for w in list(app.state.pool.workers.values()):
+        if w.alive:
+            os.killpg(w.proc.pid, signal.SIGKILL)
+            n += 1
+    return n
+
+
+async def test_worker_killed_mid_run_is_retried_on_a_fresh_worker():
+    app = create_app(SandboxConfig(max_concurrency=1))
+    async with app.router.lifespan_context(app), \
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sbx", timeout=60) as c:
+        first_pid = (await c.get("/healthz")).json()["workers"]["pids"]
+        run = asyncio.create_task(c.post("/v1/execute", json={"code": SLOW}))
+        await asyncio.sleep(0.3)
+        assert _kill_workers(app) == 1
+        res = (await run).json()
+        assert (res["status"], res["stdout"], res["attempts"]) == ("ok", "done\n", 2), res
+        health = (await c.get("/healthz")).json()
+        assert health["counters"]["environment_failures"] == 1
+        assert health["workers"]["pids"] != first_pid and health["status"] == "ok"
+
+
+async def test_persistent_failure_is_infra_error_and_opens_the_breaker():
+    cfg = SandboxConfig(max_concurrency=1, retries=2, breaker_window=3, breaker_failure_ratio=1.0,
+                        breaker_cooldown_s=1.0)
+    app = create_app(cfg)
+    async with app.router.lifespan_context(app), \
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sbx", timeout=60) as c:
+        stop = asyncio.Event()
+
+        async def killer() -> None:  # every worker dies 0.2 s into whatever it runs
+            while not stop.is_set():
+                await asyncio.sleep(0.2)
+                if app.state.pool.running:
+                    _kill_workers(app)
+
+        k = asyncio.create_task(killer())
+        try:
+            res = (await c.post("/v1/execute", json={"code": SLOW})).json()
+        finally:
+            stop.set()
+            await k
+        assert res["status"] == "infra_error" and res["attempts"] == 3, res
+        assert "environment failed 3 times" in res["stderr"]
+        health = await c.get("/healthz")
+        assert health.status_code == 503 and health.json()["breaker"]["state"] == "open"
+        refused = await c.post("/v1/execute", json={"code": "print(1)"})
+        assert refused.status_code == 503 and "circuit breaker" in refused.text
+        await asyncio.sleep(1.1)  # cool-down over: one trial run goes through and closes the breaker
+        for _ in range(50):  # the replacement worker may still be starting
+            if app.state.pool.idle.qsize():
+                break
+            await asyncio.sleep(0.1)
+        trial = (await c.post("/v1/execute", json={"code": "print(1)"})).json()
+        assert trial["status"] == "ok", trial
+        health = await c.get("/healthz")
+        assert health.status_code == 200 and health.json()["breaker"]["state"] == "closed"
+
+
+def test_workers_are_recycled():
+    with TestClient(create_app(SandboxConfig(max_concurrency=1, recycle_after_runs=2))) as c:
+        pids = set()
+        for i in range(5):
+            res = c.post("/v1/execute", json={"code": f"print({i})"}).json()
+            assert (res["status"], res["stdout"], res["attempts"]) == ("ok", f"{i}\n", 1), res
+            pids.update(c.get("/healthz").json()["workers"]["pids"])
+        health = c.get("/healthz").json()
+        assert health["counters"]["workers_recycled"] >= 2
+        assert len(pids) >= 2 and health["counters"].get("environment_failures", 0) == 0
+
+
+def test_missing_layer_refuses_to_start_unless_degraded_is_allowed():
+    with pytest.raises(RuntimeError, match="landlock: switched off"):
+        with TestClient(create_app(SandboxConfig(disable_layers=["landlock"]))):
+            pass
+    with TestClient(create_app(SandboxConfig(disable_layers=["landlock"], allow_degraded=True))) as c:
+        health = c.get("/healthz").json()
+        assert health["status"] == "degraded" and health["degraded"] == ["landlock"]
+        res = c.post("/v1/execute", json={"code": "print(1)"}).json()
+        assert res["status"] == "ok" and res["degraded"] == ["landlock"]
+
+
+def test_metrics_are_prometheus_text():
+    with TestClient(create_app(SandboxConfig(max_concurrency=1))) as c:
+        c.post("/v1/execute", json={"code": "print(1)"})
+        c.post("/v1/execute", json={"code": "raise SystemExit(3)"})
+        text = c.get("/metrics").text
+        assert 'flywheel_sandbox_runs_total{status="ok"} 1' in text
+        assert 'flywheel_sandbox_runs_total{status="runtime_error"} 1' in text
+        assert "flywheel_sandbox_execution_seconds_count 2" in text
