@@ -78,6 +78,7 @@ class SlotCgroup:
         else:
             self.dirs = {"unified": r / PARENT / name}
         self._oom_before = 0
+        self._cpu_before: int | None = None
 
     def _dir(self, ctrl: str) -> Path | None:
         return self.dirs.get(ctrl if self.version == "v1" else "unified")
@@ -93,8 +94,22 @@ class SlotCgroup:
                     _write(d.parent / "cgroup.subtree_control", "+memory +pids")
             d.mkdir(parents=True, exist_ok=True)
 
-    def configure(self, memory_bytes: int, max_pids: int, cpu_cores: float) -> None:
-        """Set this run's limits and reset the peak-memory, OOM and CPU counters. Raises OSError."""
+    def reset_counters(self) -> None:
+        """Start a run's accounting: reset the peak memory (and CPU time on v1), remember the OOM and CPU counters."""
+        if self.version == "v1":
+            _write(self.dirs["memory"] / "memory.max_usage_in_bytes", "0")
+            if "cpuacct" in self.dirs:
+                _write(self.dirs["cpuacct"] / "cpuacct.usage", "0")
+        elif (self.dirs["unified"] / "memory.peak").exists():
+            try:
+                _write(self.dirs["unified"] / "memory.peak", "0")  # Linux 6.12+: resets the peak for this writer
+            except OSError:
+                pass
+        self._cpu_before = self._cpu_ns_raw()
+        self._oom_before = self.oom_kills()
+
+    def set_limits(self, memory_bytes: int, max_pids: int, cpu_cores: float) -> None:
+        """Set a run's memory (bytes, no swap beyond it), process and CPU (cores) limits. Raises OSError."""
         if self.version == "v1":
             mem = self.dirs["memory"]
             files = ["memory.limit_in_bytes"]
@@ -106,28 +121,18 @@ class SlotCgroup:
             except OSError:
                 for f in reversed(files):  # raising: memsw first
                     _write(mem / f, str(memory_bytes))
-            _write(mem / "memory.max_usage_in_bytes", "0")
             _write(self.dirs["pids"] / "pids.max", str(max_pids))
             if "cpu" in self.dirs:
                 _write(self.dirs["cpu"] / "cpu.cfs_period_us", str(_CPU_PERIOD_US))
                 _write(self.dirs["cpu"] / "cpu.cfs_quota_us", str(int(cpu_cores * _CPU_PERIOD_US)))
-            if "cpuacct" in self.dirs:
-                _write(self.dirs["cpuacct"] / "cpuacct.usage", "0")
         else:
             d = self.dirs["unified"]
             _write(d / "memory.max", str(memory_bytes))
             if (d / "memory.swap.max").exists():
                 _write(d / "memory.swap.max", "0")
-            if (d / "memory.peak").exists():
-                try:
-                    _write(d / "memory.peak", "0")  # Linux 6.12+: resets the peak for this writer
-                except OSError:
-                    pass
             _write(d / "pids.max", str(max_pids))
             if (d / "cpu.max").exists():
                 _write(d / "cpu.max", f"{int(cpu_cores * _CPU_PERIOD_US)} {_CPU_PERIOD_US}")
-        self._cpu_before = self._cpu_ns_raw()
-        self._oom_before = self.oom_kills()
 
     def attach(self, pid: int = 0) -> None:
         """Move process ``pid`` (0 = the caller) into every controller of the slot. Raises OSError."""
@@ -142,17 +147,17 @@ class SlotCgroup:
         except OSError:
             return []
 
-    def kill_all(self, timeout_s: float = 2.0) -> bool:
-        """SIGKILL every process in the slot until it is empty; True when it emptied within ``timeout_s``."""
+    def kill_all(self, timeout_s: float = 2.0, keep: int | None = None) -> bool:
+        """SIGKILL every process in the slot but ``keep`` (a pid) until none is left; True when done within ``timeout_s``."""
         d = self._dir("pids")
-        if self.version == "v2" and d is not None and (d / "cgroup.kill").exists():
+        if keep is None and self.version == "v2" and d is not None and (d / "cgroup.kill").exists():
             try:
                 _write(d / "cgroup.kill", "1")
             except OSError:
                 pass
         deadline = time.monotonic() + timeout_s
         while True:
-            procs = self.pids()
+            procs = [p for p in self.pids() if p != keep]
             if not procs:
                 return True
             for p in procs:
@@ -165,7 +170,7 @@ class SlotCgroup:
             time.sleep(0.001)
 
     def peak_memory_bytes(self) -> int | None:
-        """Largest memory use of the slot since :meth:`configure` (bytes), or None when unknown."""
+        """Largest memory use of the slot since :meth:`reset_counters` (bytes), or None when unknown."""
         try:
             if self.version == "v1":
                 return int(_read(self.dirs["memory"] / "memory.max_usage_in_bytes"))
@@ -187,7 +192,7 @@ class SlotCgroup:
         return 0
 
     def oom_killed(self) -> bool:
-        """Whether the OOM killer fired in the slot since :meth:`configure`."""
+        """Whether the OOM killer fired in the slot since :meth:`reset_counters`."""
         return self.oom_kills() > self._oom_before
 
     def _cpu_ns_raw(self) -> int | None:
@@ -202,7 +207,7 @@ class SlotCgroup:
         return None
 
     def cpu_seconds(self) -> float | None:
-        """CPU time used by all processes of the slot since :meth:`configure` (seconds), or None."""
+        """CPU time used by all processes of the slot since :meth:`reset_counters` (seconds), or None."""
         now = self._cpu_ns_raw()
         if now is None or self._cpu_before is None:
             return None

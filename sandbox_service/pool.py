@@ -17,6 +17,7 @@ import asyncio
 import collections
 import logging
 import os
+import secrets
 import signal
 import struct
 import sys
@@ -29,8 +30,8 @@ import orjson
 
 from sandbox_service.config import SandboxConfig
 from sandbox_service.isolation import Capabilities
-from sandbox_service.schemas import ExecuteRequest, ExecuteResult, Status
-from sandbox_service.worker import isolation_layers
+from sandbox_service.isolation import isolation_layers
+from sandbox_service.schemas import ExecuteRequest, ExecuteResult, Status, TestResult
 
 log = logging.getLogger("sandbox.pool")
 
@@ -39,6 +40,36 @@ BACKSTOP_SLACK_S = 10.0
 _PKG_ROOT = str(Path(__file__).resolve().parents[1])
 _SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
+
+
+def parse_test_results(names: list[str], channel: bytes, token: str, run_status: str) -> list[TestResult]:
+    """Per-test results from the harness's private channel (JSON lines); lines without ``token`` are ignored.
+
+    A test with no line is ``timeout`` when the run timed out, else ``not_run`` (the program ended
+    the process before the harness could report it).
+    """
+    got: dict[int, dict] = {}
+    for line in channel.splitlines():
+        try:
+            rec = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if not isinstance(rec, dict) or rec.get("token") != token:
+            continue
+        i = rec.get("i")
+        if isinstance(i, int) and 0 <= i < len(names) and i not in got:
+            got[i] = rec
+    missing = "timeout" if run_status == "timeout" else "not_run"
+    out = []
+    for i, name in enumerate(names):
+        rec = got.get(i)
+        if rec is None or rec.get("status") not in ("passed", "failed", "error"):
+            out.append(TestResult(name=name, status=missing, message=f"no result reported (run status {run_status})"))
+        else:
+            secs = rec.get("seconds")
+            out.append(TestResult(name=name, status=rec["status"], message=str(rec.get("message", ""))[:4000],
+                                  seconds=float(secs) if isinstance(secs, (int, float)) else None))
+    return out
 
 
 class WorkerFailure(Exception):
@@ -85,12 +116,17 @@ class WorkerHandle:
             raise WorkerFailure(hello.get("error", f"worker {self.name} did not start"))
 
     async def _read(self) -> dict:
+        """One frame; its raw parts (if any) come back as a list of bytes under ``"_parts"``."""
         assert self.proc and self.proc.stdout
         try:
             head = await self.proc.stdout.readexactly(4)
             (n,) = struct.unpack(">I", head)
-            return orjson.loads(await self.proc.stdout.readexactly(n))
-        except (asyncio.IncompleteReadError, orjson.JSONDecodeError, ConnectionError) as e:
+            frame = orjson.loads(await self.proc.stdout.readexactly(n))
+            if not isinstance(frame, dict):
+                raise ValueError("frame is not an object")
+            frame["_parts"] = [await self.proc.stdout.readexactly(k) for k in frame.get("parts", [])]
+            return frame
+        except (asyncio.IncompleteReadError, orjson.JSONDecodeError, ValueError, TypeError, ConnectionError) as e:
             raise WorkerFailure(f"worker {self.name} closed its pipe or sent a torn frame: {e!r}") from None
 
     async def request(self, req: dict, timeout_s: float) -> dict:
@@ -272,7 +308,8 @@ class Pool:
         Raises asyncio.CancelledError when cancelled (the worker in use is killed and replaced).
         """
         run_id = run_id or uuid.uuid4().hex
-        wire = self._wire(req)
+        token = secrets.token_hex(16)
+        wire = self._wire(req, token)
         backstop = wire["limits"]["timeout_s"] + BACKSTOP_SLACK_S
         last_error = ""
         t0 = time.monotonic()
@@ -287,7 +324,7 @@ class Pool:
             try:
                 raw = await w.request(wire, backstop)
             except WorkerFailure as e:
-                raw = {"infra_error": str(e)}
+                raw = {"status": "infra_error", "error": str(e), "_parts": []}
                 self._replace_later(w)
                 w = None
             except BaseException:
@@ -295,7 +332,7 @@ class Pool:
                 raise
             finally:
                 self.running -= 1
-            env_failure = "infra_error" in raw or raw.get("status") == "infra_error"
+            env_failure = raw.get("status") == "infra_error"
             if w is not None:
                 if env_failure:  # never reuse a worker whose environment just failed
                     self._replace_later(w)
@@ -309,17 +346,33 @@ class Pool:
             if not env_failure:
                 break
             self.counters["environment_failures"] += 1
-            last_error = raw.get("infra_error") or raw.get("stderr", "")
+            parts = raw.get("_parts") or []
+            detail = parts[3].decode("utf-8", "replace") if len(parts) > 3 and parts[3] else ""
+            last_error = f"{raw.get('error', 'environment failure')}{': ' + detail if detail else ''}"
             log.warning("sandbox attempt %d of run %s failed in the environment: %s", attempt, run_id, last_error)
-        else:
-            raw = {"status": "infra_error", "exit_code": None, "stdout": "",
-                   "stderr": f"sandbox: the environment failed {attempt} times; last: {last_error}", "wall_s": 0.0}
-        raw.pop("infra_error", None)
-        raw.pop("foreign_result_lines", None)
-        raw.update(run_id=run_id, attempts=attempt, network_isolated=self.network_isolated, degraded=self.degraded)
-        result = ExecuteResult(**raw)
+        result = self._result(req, raw, token, run_id, attempt, last_error)
         self._count(result, time.monotonic() - t0)
         return result
+
+    def _result(self, req: ExecuteRequest, raw: dict, token: str, run_id: str, attempts: int,
+                last_error: str) -> ExecuteResult:
+        common = {"run_id": run_id, "attempts": attempts, "network_isolated": self.network_isolated,
+                  "degraded": self.degraded}
+        if raw.get("status") == "infra_error":
+            return ExecuteResult(status="infra_error", exit_code=None, stdout="", wall_s=raw.get("wall_s", 0.0),
+                                 stderr=f"sandbox: the environment failed {attempts} times; last: {last_error}",
+                                 **common)
+        out, err, results, _ = raw["_parts"]
+        fields = {k: raw[k] for k in ("status", "exit_code", "stdout_truncated", "stderr_truncated", "wall_s",
+                                      "cpu_s", "peak_memory_bytes")}
+        res = ExecuteResult(stdout=out.decode("utf-8", "replace"), stderr=err.decode("utf-8", "replace"),
+                            **fields, **common)
+        if req.tests is not None:
+            tests = parse_test_results([t.name for t in req.tests], results, token, res.status)
+            res.tests = tests
+            res.tests_passed = sum(t.status == "passed" for t in tests)
+            res.tests_total = len(tests)
+        return res
 
     def _recycle(self, w: WorkerHandle) -> None:
         self.workers.pop(w.index, None)
@@ -337,11 +390,11 @@ class Pool:
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    def _wire(self, req: ExecuteRequest) -> dict:
+    def _wire(self, req: ExecuteRequest, token: str) -> dict:
         c = self.cfg
         timeout = req.timeout_s if req.timeout_s is not None else c.default_timeout_s
         return {
-            "language": req.language, "code": req.code, "stdin": req.stdin, "files": req.files,
+            "token": token, "language": req.language, "code": req.code, "stdin": req.stdin, "files": req.files,
             "tests": [t.model_dump() for t in req.tests] if req.tests is not None else None,
             "entry_point": req.entry_point, "fresh_interpreter": req.fresh_interpreter,
             "limits": {

@@ -2,19 +2,25 @@
 
 Process tree of one run (``S`` = the service, ``W`` = this worker, set up once)::
 
-    S --pipes--> W  (own mount/net/ipc/uts namespaces; read-only root prepared; modules pre-imported)
-                 └─ A  supervisor, forked *before* the request arrives; reads the request itself,
-                    │   so no request or output ever sits in W's memory for a later run to find
-                    └─ B  pid 1 of a new pid namespace, in the slot's cgroup; pivot_root into the
-                          read-only root with fresh tmpfs /work and /tmp; rlimits, setsid, slot uid,
-                          no_new_privs, Landlock, seccomp; then runs the code (in the pre-imported
-                          interpreter for Python, ``execve`` for bash, C and C++)
+    S --pipes--> W  own mount/net/ipc/uts namespaces; read-only root prepared; modules pre-imported;
+                 │  supervises each run but never sees a request (hygiene, see below)
+                 └─ R  cloned *before* the request arrives, straight into a new pid and mount
+                       namespace (pid 1 there). R reads the request itself from S's pipe, then
+                       isolates itself in order: slot cgroup (limits, join), fresh size-limited
+                       tmpfs /work and /tmp, /proc, pivot_root into the read-only root, setsid,
+                       rlimits, slot uid, no_new_privs, Landlock, seccomp; then runs the code (in
+                       the pre-imported interpreter for Python; ``execve`` for bash, C, C++)
 
-A enforces the wall deadline (SIGKILL to B, which takes the whole pid namespace with it), caps
-stdout/stderr, reads test results from the private channel, empties the cgroup, and writes one
-result frame to S. W only forks the next A. Frames on the S<->W pipes are a 4-byte big-endian
-length and an orjson object. Each layer is applied only when the start-up probe found it working
-and the service did not switch it off; what was skipped is reported in every result as ``degraded``.
+W learns only the run's limits (numbers) from R, enforces the wall deadline (SIGKILL to R takes
+the whole pid namespace with it), reads stdout, stderr and the test-result channel into byte
+buffers that it zeroes after the run, empties the cgroup, and writes one result frame to S. The
+request (code, tests, stdin) never enters W's memory, and outputs only as zeroed byte buffers, so
+nothing of one run can be found in the heap that the next run is cloned from.
+
+Frames on the S<->W pipes: a 4-byte big-endian length and an orjson object; a result frame is
+followed by its raw parts (stdout, stderr, results channel, set-up error), their lengths in the
+header's ``parts``. Each layer is applied only when the start-up probe found it working and the
+service did not switch it off; the service reports the rest as ``degraded``.
 """
 
 from __future__ import annotations
@@ -23,7 +29,6 @@ import argparse
 import gc
 import os
 import resource
-import secrets
 import selectors
 import shutil
 import signal
@@ -43,12 +48,17 @@ READ_CHUNK = 65536
 KILL_SLACK_BYTES = 1024 * 1024
 """A stream may run this far past its cap (or the cap again, whichever is larger) before the run is killed."""
 RESULT_CHANNEL_CAP = 4 * 1024 * 1024
+STATUS_CAP = 4096
 DRAIN_GRACE_S = 0.5
 SETUP_FAILED = 121
-"""Exit code of B when its own set-up failed (the error text comes on the status pipe)."""
+"""Exit code of R when its own set-up failed (the error text comes on the status pipe)."""
+NO_MORE_REQUESTS = 3
+"""Exit code of R when the service closed the request pipe."""
 SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1"}
 SOURCE_NAMES = {"python": "main.py", "bash": "main.sh", "c": "main.c", "cpp": "main.cpp"}
+_STATUS_FD = 100
+"""Where R keeps the set-up error pipe while it closes every other descriptor (closed before the code runs)."""
 
 
 # ---------------------------------------------------------------- frames
@@ -76,39 +86,89 @@ def _read_exact(fd: int, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def write_frame(fd: int, obj: dict) -> None:
-    """Write ``obj`` as one length-prefixed orjson frame to ``fd``."""
+def write_frame(fd: int, obj: dict, parts: tuple = ()) -> None:
+    """Write ``obj`` as one length-prefixed orjson frame to ``fd``, then each part raw.
+
+    A part is a :class:`Capture` (or a list of bytes-like buffers); their lengths go in ``obj["parts"]``.
+    """
+    parts = [p.views() if isinstance(p, Capture) else p for p in parts]
+    if parts:
+        obj = dict(obj, parts=[sum(len(b) for b in bufs) for bufs in parts])
     body = orjson.dumps(obj)
-    data = struct.pack(">I", len(body)) + body
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+    for data in (struct.pack(">I", len(body)) + body, *(b for bufs in parts for b in bufs)):
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
 
 
-# ---------------------------------------------------------------- worker set-up
+class Capture:
+    """The first ``cap`` bytes of a stream, read straight into fixed 64 KiB chunks (counting the rest).
+
+    No bytes object ever holds the data and no buffer is reallocated, so :meth:`zero` really wipes it.
+    """
+
+    CHUNK = 65536
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.kept, self.total = cap, 0, 0
+        self.chunks: list[list] = []  # [bytearray, used]
+
+    def read_from(self, fd: int, sink: bytearray) -> int:
+        """One read from ``fd``; bytes past the cap go to ``sink`` and are only counted. 0 = EOF."""
+        room = self.cap - self.kept
+        if room <= 0:
+            n = os.readv(fd, [sink])
+        else:
+            if not self.chunks or self.chunks[-1][1] == self.CHUNK:
+                self.chunks.append([bytearray(self.CHUNK), 0])
+            c = self.chunks[-1]
+            n = os.readv(fd, [memoryview(c[0])[c[1]:c[1] + min(room, self.CHUNK - c[1])]])
+            c[1] += n
+            self.kept += n
+        self.total += n
+        return n
+
+    def views(self) -> list[memoryview]:
+        return [memoryview(c)[:used] for c, used in self.chunks]
+
+    def contains(self, needle: bytes) -> bool:
+        """Whether ``needle`` occurs within one chunk (a match across two chunks is not seen)."""
+        return any(c.find(needle, 0, used) >= 0 for c, used in self.chunks)
+
+    def zero(self) -> None:
+        for c, _ in self.chunks:
+            c[:] = bytes(len(c))
+
+
+# ---------------------------------------------------------------- the worker
 
 
 class Worker:
-    """State fixed for the worker's life: slot, uid, layers, the prepared root and the cgroup."""
+    """State fixed for the worker's life: slot, uid, layers, the prepared root, the cgroup, the seccomp program."""
 
     def __init__(self, slot: str, uid: int | None, layers: list[str], cgroup: str | None, landlock_abi: int,
                  python: str) -> None:
         self.slot, self.uid, self.layers, self.landlock_abi, self.python = slot, uid, set(layers), landlock_abi, python
         self.cg = SlotCgroup(cgroup, slot) if cgroup and "cgroups" in self.layers else None
         self.root: str | None = None
-        self.seccomp = None
+        self.seccomp: isolation.SeccompProgram | None = None
         self.scratch = tempfile.mkdtemp(prefix=f"flywheel-sbx-{slot}-")
 
     def setup(self) -> None:
-        """Create the slot cgroup, enter the worker's namespaces and build the read-only root. Raises OSError."""
+        """Create the slot cgroup, enter the worker's namespaces, build the read-only root. Raises OSError."""
         if self.cg:
+            # W lives in its slot's cgroup, so each run process starts there (no per-run attach). W is
+            # never swept, and the run raises its own oom_score_adj so the OOM killer picks it, not W.
             self.cg.create()
+            self.cg.attach()
         if "namespaces" in self.layers:
             isolation.unshare(isolation.CLONE_NEWNS | isolation.CLONE_NEWNET | isolation.CLONE_NEWIPC
                               | isolation.CLONE_NEWUTS)
             isolation.mount("none", "/", None, isolation.MS_REC | isolation.MS_PRIVATE)
             socket.sethostname("sandbox")
             self.root = self._build_root()
+        else:
+            os.chmod(self.scratch, 0o711)  # the slot uid may pass through to its run directory, not list
         if "seccomp" in self.layers:
             self.seccomp = isolation.SeccompProgram()
         harness.preload()
@@ -135,7 +195,7 @@ class Worker:
         prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
                                                   os.path.dirname(os.path.dirname(os.path.realpath(self.python))))}
         for p in sorted(prefixes):
-            if p == "/" or p.startswith("/usr/") or p == "/usr":
+            if p == "/" or p == "/usr" or p.startswith("/usr/"):
                 continue
             target = root + p
             os.makedirs(target, mode=0o755, exist_ok=True)
@@ -155,111 +215,73 @@ class Worker:
         return root
 
     def serve(self) -> None:
-        """Fork a supervisor per run until the service closes the request pipe."""
+        """Clone a run process ahead of each request and supervise it, until the service closes the pipe."""
         write_frame(1, {"ready": True, "pid": os.getpid(), "slot": self.slot})
-        # Everything allocated so far is permanent: the collector in A and B never walks (and so never
-        # copies-on-write) the worker's objects, which makes each fork much cheaper.
+        # Everything allocated so far is permanent: the collector never walks (and so never
+        # copies-on-write) the worker's objects in a run process.
         gc.collect()
         gc.freeze()
-        while True:
-            pid = os.fork()
-            if pid == 0:
-                code = 0
-                try:
-                    isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
-                    code = Supervisor(self).run_one()
-                except BaseException as e:  # noqa: BLE001 - must reach the service as infra_error
-                    try:
-                        write_frame(1, {"infra_error": f"supervisor failed: {type(e).__name__}: {e}"})
-                    except OSError:
-                        pass
-                    code = 1
-                os._exit(code)
-            _, status = os.waitpid(pid, 0)
-            code = os.waitstatus_to_exitcode(status)
-            if code == 3:  # EOF on the request pipe: the service is done with this worker
-                break
-            if code not in (0, 1):
-                write_frame(1, {"infra_error": f"supervisor died with status {code}"})
+        while Run(self).supervise():
+            pass
         if self.cg:
             self.cg.remove()
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
-# ---------------------------------------------------------------- one run
-
-
-class Supervisor:
-    """Process A: reads one request, starts B, watches it, writes one result frame."""
+class Run:
+    """One run, seen from W: clone R, learn its limits, watch it, report."""
 
     def __init__(self, w: Worker) -> None:
         self.w = w
 
-    def run_one(self) -> int:
-        """Handle one request; the exit code for W (0 done, 3 no more requests)."""
-        req = read_frame(0)
-        if req is None:
-            return 3
+    def supervise(self) -> bool:
+        """Handle one request; False when the service has no more."""
         w = self.w
-        token = secrets.token_hex(16)
-        lim = req["limits"]
-        degraded = sorted(set(isolation_layers()) - w.layers)
+        names = ("stdout", "stderr", "results", "status", "limits")
+        pipes = {k: os.pipe() for k in names}
         if w.cg:
-            w.cg.configure(lim["memory_mb"] * 2**20, lim["max_processes"], lim["cpu_cores"])
+            w.cg.reset_counters()
+        rundir = None if w.root else os.path.join(w.scratch, "run")
         if w.root:
-            isolation.unshare(isolation.CLONE_NEWNS | isolation.CLONE_NEWPID)
-            opts = f"size={lim['disk_mb']}m,mode=0700" + (f",uid={w.uid},gid={w.uid}" if w.uid is not None else "")
-            for d in ("work", "tmp"):
-                isolation.mount("tmpfs", os.path.join(w.root, d), "tmpfs", isolation.MS_NOSUID | isolation.MS_NODEV, opts)
-            host_work, work, tmp = os.path.join(w.root, "work"), "/work", "/tmp"
+            pid = isolation.clone_process(isolation.CLONE_NEWPID | isolation.CLONE_NEWNS)
         else:
-            base = tempfile.mkdtemp(prefix="run-", dir=w.scratch)
-            host_work, tmp = os.path.join(base, "work"), os.path.join(base, "tmp")
-            for d in (w.scratch, base):
-                os.chmod(d, 0o711)  # the slot uid may pass through, not list
-            for d in (host_work, tmp):
-                os.mkdir(d, 0o700)
-                if w.uid is not None:
-                    os.chown(d, w.uid, w.uid)
-            work = host_work
-        source = SOURCE_NAMES[req["language"]]
-        try:
-            _write_tree(host_work, {source: req["code"], **req.get("files", {})}, w.uid)
-        except OSError as e:
-            write_frame(1, _result("runtime_error", None, b"",
-                                   f"sandbox: cannot write the run's files: {e}".encode(), degraded=degraded))
-            return 0
-        pipes = {k: os.pipe() for k in ("stdin", "stdout", "stderr", "results", "status")}
-        t0 = time.monotonic()
-        pid = os.fork()
+            pid = os.fork()
         if pid == 0:
-            _run_b(w, req, pipes, work, tmp, source, token)  # never returns
-        for k, (r, wr) in pipes.items():
-            os.close(r if k == "stdin" else wr)
-        result = self._watch(req, pid, pipes, t0, token, degraded)
-        if not w.root:
-            shutil.rmtree(os.path.dirname(host_work), ignore_errors=True)
-        write_frame(1, result)
-        return 0
+            _run(w, pipes, rundir)  # never returns
+        for r, wr in pipes.values():
+            os.close(wr)
+        try:
+            limits = _read_all(pipes["limits"][0], 4096)  # R's first words: numbers only, never the request
+            os.close(pipes["limits"][0])
+            if not limits:  # R ended before reading a request
+                _, status = os.waitpid(pid, 0)
+                for k in names[:-1]:
+                    os.close(pipes[k][0])
+                code = os.waitstatus_to_exitcode(status)
+                if code == NO_MORE_REQUESTS:
+                    return False
+                write_frame(1, {"status": "infra_error", "error": f"run process died before its request (status {code})"})
+                return True
+            header, parts = self._watch(pid, orjson.loads(limits), pipes)
+            write_frame(1, header, parts)
+            for p in parts:
+                p.zero()  # wipe what the run wrote before the buffers are freed
+            return True
+        finally:
+            if rundir:
+                shutil.rmtree(rundir, ignore_errors=True)
 
-    def _watch(self, req: dict, pid: int, pipes: dict, t0: float, token: str, degraded: list[str]) -> dict:
-        lim = req["limits"]
+    def _watch(self, pid: int, lim: dict, pipes: dict) -> tuple[dict, tuple]:
+        t0 = time.monotonic()
         cap = lim["output_limit_bytes"]
         kill_at = cap + max(cap, KILL_SLACK_BYTES)
-        bufs = {"stdout": bytearray(), "stderr": bytearray(), "results": bytearray(), "status": bytearray()}
-        totals = dict.fromkeys(bufs, 0)
-        caps = {"stdout": cap, "stderr": cap, "results": RESULT_CHANNEL_CAP, "status": 4096}
+        caps = {"stdout": cap, "stderr": cap, "results": RESULT_CHANNEL_CAP, "status": STATUS_CAP}
+        bufs = {k: Capture(c) for k, c in caps.items()}
+        sink = bytearray(READ_CHUNK)
         sel = selectors.DefaultSelector()
-        for k in ("stdout", "stderr", "results", "status"):
+        for k in caps:
             os.set_blocking(pipes[k][0], False)
             sel.register(pipes[k][0], selectors.EVENT_READ, k)
-        stdin = memoryview(req.get("stdin", "").encode("utf-8"))
-        stdin_fd = pipes["stdin"][1]
-        os.set_blocking(stdin_fd, False)
-        if stdin:
-            sel.register(stdin_fd, selectors.EVENT_WRITE, "stdin")
-        else:
-            os.close(stdin_fd)
         pidfd = os.pidfd_open(pid)
         sel.register(pidfd, selectors.EVENT_READ, "exit")
         deadline = t0 + lim["timeout_s"]
@@ -270,45 +292,27 @@ class Supervisor:
             if not exited and not timed_out and now >= deadline:
                 timed_out = True
                 _kill(pid)
-            readers = [k for k in sel.get_map().values() if k.data in bufs]
+            readers = [k for k in sel.get_map().values() if k.data in caps]
             if exited and (not readers or now > exit_at + DRAIN_GRACE_S):
                 break
-            if exited:
-                wait = exit_at + DRAIN_GRACE_S - now
-            else:
-                wait = 0.05 if timed_out else deadline - now
+            wait = exit_at + DRAIN_GRACE_S - now if exited else (0.05 if timed_out else deadline - now)
             for key, _ in sel.select(timeout=max(wait, 0.0)):
                 k = key.data
                 if k == "exit":
                     sel.unregister(pidfd)
                     exited, exit_at = True, time.monotonic()
-                    self._sweep(pid)  # B is gone; kill whatever escaped it so the pipes can close
-                elif k == "stdin":
-                    try:
-                        stdin = stdin[os.write(stdin_fd, stdin[:65536]):]
-                    except BlockingIOError:
-                        continue
-                    except BrokenPipeError:
-                        stdin = stdin[:0]
-                    if not stdin:
-                        sel.unregister(stdin_fd)
-                        os.close(stdin_fd)
-                else:
-                    try:
-                        chunk = os.read(key.fd, READ_CHUNK)
-                    except BlockingIOError:
-                        continue
-                    if not chunk:
-                        sel.unregister(key.fd)
-                        os.close(key.fd)
-                        continue
-                    totals[k] += len(chunk)
-                    room = caps[k] - len(bufs[k])
-                    if room > 0:
-                        bufs[k] += chunk[:room]
-                    if k in ("stdout", "stderr") and totals[k] > kill_at and not overflow:
-                        overflow = True
-                        _kill(pid)
+                    self._sweep(pid)  # R is gone; kill whatever escaped it so the pipes can close
+                    continue
+                try:
+                    n = bufs[k].read_from(key.fd, sink)
+                except BlockingIOError:
+                    continue
+                if n == 0:
+                    sel.unregister(key.fd)
+                    os.close(key.fd)
+                elif k in ("stdout", "stderr") and bufs[k].total > kill_at and not overflow:
+                    overflow = True
+                    _kill(pid)
         wall = time.monotonic() - t0
         if not exited:
             _kill(pid)
@@ -317,6 +321,7 @@ class Supervisor:
         for key in list(sel.get_map().values()):
             os.close(key.fd)
         sel.close()
+        sink[:] = bytes(len(sink))
         self._sweep(pid)
         cg = self.w.cg
         oom = peak = cpu = None
@@ -327,31 +332,35 @@ class Supervisor:
         if peak is None:
             peak = ru.ru_maxrss * 1024
         code = os.waitstatus_to_exitcode(status)
-        if code == SETUP_FAILED and bufs["status"]:
-            return _infra(f"sandbox set-up failed: {bufs['status'].decode(errors='replace')}", wall, degraded)
+        parts = (bufs["stdout"], bufs["stderr"], bufs["results"], bufs["status"])
+        if code == SETUP_FAILED and bufs["status"].total:
+            return {"status": "infra_error", "error": "sandbox set-up failed", "wall_s": round(wall, 4)}, parts
+        truncated = {k: bufs[k].total > cap for k in ("stdout", "stderr")}
         status_name = _classify(code, timed_out, overflow, bool(oom), lim, cpu, bufs["stderr"],
-                                totals["stdout"] > cap or totals["stderr"] > cap)
-        res = _result(status_name, code, bytes(bufs["stdout"]), bytes(bufs["stderr"]),
-                      stdout_truncated=totals["stdout"] > cap, stderr_truncated=totals["stderr"] > cap,
-                      wall_s=round(wall, 4), cpu_s=round(cpu, 4), peak_memory_bytes=peak, degraded=degraded)
-        if req.get("tests") is not None:
-            res.update(_test_results(req, bytes(bufs["results"]), token, status_name))
-        return res
-
+                                truncated["stdout"] or truncated["stderr"])
+        header = {"status": status_name, "exit_code": code, "stdout_truncated": truncated["stdout"],
+                  "stderr_truncated": truncated["stderr"], "wall_s": round(wall, 4), "cpu_s": round(cpu, 4),
+                  "peak_memory_bytes": peak}
+        return header, parts
 
     def _sweep(self, pid: int) -> None:
-        """Kill every process the run left: the slot's cgroup, else B's process group (B called setsid)."""
+        """Kill every process the run left: the slot's cgroup, else R's process group (R called setsid)."""
         if self.w.cg:
-            self.w.cg.kill_all()
+            self.w.cg.kill_all(keep=os.getpid())
         try:
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
 
 
-def isolation_layers() -> list[str]:
-    """Every layer the full isolation has (the names used in ``degraded``)."""
-    return ["cgroups", "landlock", "namespaces", "seccomp", "uid"]
+def _read_all(fd: int, cap: int) -> bytes:
+    out = b""
+    while len(out) < cap:
+        chunk = os.read(fd, cap - len(out))
+        if not chunk:
+            break
+        out += chunk
+    return out
 
 
 def _kill(pid: int) -> None:
@@ -359,6 +368,26 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _classify(code: int, timed_out: bool, overflow: bool, oom: bool, lim: dict, cpu: float, stderr: Capture,
+              truncated: bool) -> str:
+    if timed_out or code == -signal.SIGXCPU:
+        return "timeout"
+    if overflow:
+        return "output_limit"
+    if oom or (code != 0 and stderr.contains(b"MemoryError")):
+        return "memory_limit"
+    if code == -signal.SIGKILL and cpu >= lim["cpu_time_s"]:
+        return "timeout"
+    if truncated:
+        return "output_limit"
+    if code < 0:
+        return "killed"
+    return "ok" if code == 0 else "runtime_error"
+
+
+# ---------------------------------------------------------------- inside R
 
 
 def _write_tree(root: str, files: dict[str, str], uid: int | None) -> None:
@@ -376,94 +405,66 @@ def _write_tree(root: str, files: dict[str, str], uid: int | None) -> None:
                 p = os.path.dirname(p)
 
 
-def _classify(code: int, timed_out: bool, overflow: bool, oom: bool, lim: dict, cpu: float, stderr: bytearray,
-              truncated: bool) -> str:
-    if timed_out or code == -signal.SIGXCPU:
-        return "timeout"
-    if overflow:
-        return "output_limit"
-    if oom or (code != 0 and b"MemoryError" in stderr[-4096:]):
-        return "memory_limit"
-    if code == -signal.SIGKILL and cpu >= lim["cpu_time_s"]:
-        return "timeout"
-    if truncated:
-        return "output_limit"
-    if code < 0:
-        return "killed"
-    return "ok" if code == 0 else "runtime_error"
-
-
-def _result(status: str, code: int | None, out: bytes, err: bytes, **kw) -> dict:
-    res = {"status": status, "exit_code": code, "stdout": out.decode("utf-8", errors="replace"),
-           "stderr": err.decode("utf-8", errors="replace"), "wall_s": 0.0}
-    res.update(kw)
-    return res
-
-
-def _infra(msg: str, wall: float, degraded: list[str]) -> dict:
-    return {"status": "infra_error", "exit_code": None, "stdout": "", "stderr": msg, "wall_s": round(wall, 4),
-            "degraded": degraded}
-
-
-def _test_results(req: dict, channel: bytes, token: str, status: str) -> dict:
-    """Per-test results from the private channel; lines without this run's token are ignored."""
-    tests = req["tests"]
-    got: dict[int, dict] = {}
-    foreign = 0
-    for line in channel.splitlines():
-        try:
-            rec = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            foreign += 1
-            continue
-        if not isinstance(rec, dict) or rec.get("token") != token:
-            foreign += 1
-            continue
-        i = rec.get("i")
-        if isinstance(i, int) and 0 <= i < len(tests) and i not in got:
-            got[i] = rec
-    missing = "timeout" if status == "timeout" else "not_run"
-    out = []
-    for i, t in enumerate(tests):
-        rec = got.get(i)
-        if rec is None:
-            out.append({"name": t["name"], "status": missing, "message": f"no result reported (run status {status})",
-                        "seconds": None})
-        else:
-            out.append({"name": t["name"], "status": rec.get("status", "error"), "message": rec.get("message", ""),
-                        "seconds": rec.get("seconds")})
-    passed = sum(r["status"] == "passed" for r in out)
-    return {"tests": out, "tests_passed": passed, "tests_total": len(out), "foreign_result_lines": foreign}
-
-
-def _run_b(w: Worker, req: dict, pipes: dict, work: str, tmp: str, source: str, token: str) -> None:
-    """Process B: isolate itself in order, then run the code. Never returns."""
+def _run(w: Worker, pipes: dict, rundir: str | None) -> None:
+    """Process R: read the request, isolate in order, run the code. Never returns."""
     status_w = pipes["status"][1]
     try:
         isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
-        if w.cg:
-            w.cg.attach()
+        for r, wr in pipes.values():
+            os.close(r)
+        req = read_frame(0)
+        if req is None:
+            os._exit(NO_MORE_REQUESTS)
+        lim = req["limits"]
+        os.write(pipes["limits"][1], orjson.dumps({k: lim[k] for k in ("timeout_s", "cpu_time_s", "output_limit_bytes")}))
+        os.close(pipes["limits"][1])
+        if w.cg:  # R was born in the slot's cgroup (W lives there); W counts as one process
+            w.cg.set_limits(lim["memory_mb"] * 2**20, lim["max_processes"] + 1, lim["cpu_cores"])
+            with open("/proc/self/oom_score_adj", "w") as f:  # the OOM killer's first choice, before W
+                f.write("1000")
+        opts = f"size={lim['disk_mb']}m,mode=0700" + (f",uid={w.uid},gid={w.uid}" if w.uid is not None else "")
         if w.root:
-            # a mount namespace of B's own: pivot_root must not move A (which still needs the host's
-            # /sys/fs/cgroup) into the sandbox root
-            isolation.unshare(isolation.CLONE_NEWNS)
+            for d in ("work", "tmp"):
+                isolation.mount("tmpfs", os.path.join(w.root, d), "tmpfs", isolation.MS_NOSUID | isolation.MS_NODEV, opts)
+            host_work, work, tmp = os.path.join(w.root, "work"), "/work", "/tmp"
+        else:
+            work, tmp = os.path.join(rundir, "work"), os.path.join(rundir, "tmp")
+            os.mkdir(rundir, 0o711)
+            for d in (work, tmp):
+                os.mkdir(d, 0o700)
+                if w.uid is not None:
+                    os.chown(d, w.uid, w.uid)
+            host_work = work
+        source = SOURCE_NAMES[req["language"]]
+        _write_tree(host_work, {source: req["code"], **req.get("files", {})}, w.uid)
+        stdin_r, stdin_w = os.pipe()
+        if w.root:
             isolation.mount("proc", os.path.join(w.root, "proc"), "proc",
                             isolation.MS_NOSUID | isolation.MS_NODEV | isolation.MS_NOEXEC)
             isolation.pivot_root_here(w.root)
         os.setsid()
-        keep = {0: pipes["stdin"][0], 1: pipes["stdout"][1], 2: pipes["stderr"][1],
-                harness.RESULT_FD: pipes["results"][1]}
-        status_fd = 100
-        os.dup2(status_w, status_fd)
-        for target, fd in keep.items():
+        stdin = req.get("stdin", "").encode("utf-8")
+        if len(stdin) <= 65536:  # fits in the pipe: no feeder process needed
+            os.write(stdin_w, stdin)
+            os.close(stdin_w)
+        elif os.fork() == 0:  # a feeder inside the namespace, so the code can read while it writes
+            os.close(stdin_r)
+            try:
+                os.write(stdin_w, stdin)
+            finally:
+                os._exit(0)
+        else:
+            os.close(stdin_w)
+        del stdin
+        os.dup2(status_w, _STATUS_FD)
+        for target, fd in ((0, stdin_r), (1, pipes["stdout"][1]), (2, pipes["stderr"][1]),
+                           (harness.RESULT_FD, pipes["results"][1])):
             os.dup2(fd, target, inheritable=True)
-        os.closerange(harness.RESULT_FD + 1, status_fd)
-        os.closerange(status_fd + 1, 65536)
-        status_w = status_fd
-        lim = req["limits"]
+        os.closerange(harness.RESULT_FD + 1, _STATUS_FD)
+        os.closerange(_STATUS_FD + 1, 65536)
+        status_w = _STATUS_FD
         mem = lim["memory_mb"] * 2**20
-        vsz = _vsize()
-        as_limit = mem + (2**30 if w.cg else vsz)  # with a cgroup, RSS is bounded there; AS only stops huge mallocs
+        as_limit = mem + (2**30 if w.cg else _vsize())  # with a cgroup, RSS is bounded there; AS stops huge mallocs
         for res_, val in ((resource.RLIMIT_AS, as_limit), (resource.RLIMIT_CPU, int(lim["cpu_time_s"]) + 1),
                           (resource.RLIMIT_FSIZE, lim["disk_mb"] * 2**20), (resource.RLIMIT_CORE, 0),
                           (resource.RLIMIT_NOFILE, 256)):
@@ -474,8 +475,8 @@ def _run_b(w: Worker, req: dict, pipes: dict, work: str, tmp: str, source: str, 
             os.setresgid(w.uid, w.uid, w.uid)
             os.setresuid(w.uid, w.uid, w.uid)
         isolation.set_no_new_privs()
-        if "landlock" in w.layers and w.landlock_abi:
-            isolation.landlock_restrict(["/"], [work, tmp], ["/dev/null"], w.landlock_abi)
+        if "landlock" in w.layers and w.landlock_abi:  # per run: the rules must name this run's fresh tmpfs
+            isolation.landlock_enforce(isolation.landlock_ruleset(["/"], [work, tmp], ["/dev/null"], w.landlock_abi))
         if w.seccomp is not None:
             w.seccomp.load()
         os.chdir(work)
@@ -483,9 +484,9 @@ def _run_b(w: Worker, req: dict, pipes: dict, work: str, tmp: str, source: str, 
         os.environ.clear()
         os.environ.update(env)
         os.close(status_w)
-    except BaseException as e:  # noqa: BLE001 - reported to A as an infrastructure failure
+    except BaseException as e:  # noqa: BLE001 - reported to W as an infrastructure failure
         try:
-            os.write(status_w, f"{type(e).__name__}: {e}".encode()[:4000])
+            os.write(status_w, f"{type(e).__name__}: {e}".encode()[:STATUS_CAP])
         finally:
             os._exit(SETUP_FAILED)
     path = os.path.join(work, source)
@@ -493,7 +494,7 @@ def _run_b(w: Worker, req: dict, pipes: dict, work: str, tmp: str, source: str, 
     try:
         if lang == "python":
             if req.get("tests") is not None:
-                harness.run_tests(path, req["tests"], req.get("entry_point"), token)
+                harness.run_tests(path, req["tests"], req.get("entry_point"), req["token"])
             elif req.get("fresh_interpreter"):
                 os.execve(w.python, [w.python, "-I", "-B", path], env)
             else:
@@ -503,8 +504,8 @@ def _run_b(w: Worker, req: dict, pipes: dict, work: str, tmp: str, source: str, 
         else:
             compiler, std = ("gcc", "-std=c17") if lang == "c" else ("g++", "-std=c++17")
             binary = os.path.join(tmp, "a.out")
-            os.execve("/bin/sh", ["sh", "-c", f'{compiler} {std} -O1 -o "$1" "$2" -lm && exec "$1"', "sh", binary, path],
-                      env)
+            os.execve("/bin/sh", ["sh", "-c", f'{compiler} {std} -O1 -o "$1" "$2" -lm && exec "$1"', "sh", binary,
+                                  path], env)
     except OSError as e:
         os.write(2, f"sandbox: cannot start {lang}: {e}\n".encode())
         os._exit(127)
