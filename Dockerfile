@@ -1,9 +1,9 @@
 # One image for every Flywheel service; docker-compose.yml picks the service with `command`.
 FROM python:3.11-slim
 
-# util-linux: `unshare --net` gives each sandbox run a private network namespace.
+# util-linux (setpriv), libseccomp2 (the sandbox seccomp filter), gcc/g++ (C and C++ in the sandbox).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends util-linux \
+    && apt-get install -y --no-install-recommends util-linux libseccomp2 gcc g++ libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
 ENV PYTHONUNBUFFERED=1 \
