@@ -47,6 +47,8 @@ class SandboxConfig(BaseModel):
     """A worker is replaced by a fresh one after this many executions."""
     retries: int = Field(2, ge=0, le=10)
     """Extra attempts when the environment fails (worker died, set-up failed), before ``infra_error``."""
+    health_check_interval_s: float = Field(30.0, ge=0, le=3600)
+    """Seconds between canary runs on each idle worker (a failed canary replaces the worker); 0 = off."""
     worker_start_timeout_s: float = Field(30.0, gt=0, le=600)
     """How long a new worker may take to report ready (seconds)."""
     breaker_window: int = Field(20, ge=1, le=10_000)

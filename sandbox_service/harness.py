@@ -1,9 +1,9 @@
 """What runs inside the sandbox, after every isolation layer is on: Python code in the pre-imported
 interpreter, and the test harness that reports per-test results over a private file descriptor.
 
-The harness never trusts the program's stdout or exit code: each test result is one JSON line
-``{"token": ..., "i": ..., "status": ..., "message": ..., "seconds": ...}`` written to
-:data:`RESULT_FD`, which the supervisor reads and checks against the run's random token. A
+The harness never trusts the program's stdout or exit code: it first writes
+``{"token": ..., "started": true}``, then each test result as one JSON line
+``{"token": ..., "i": ..., "status": ..., "message": ..., "seconds": ...}``, to :data:`RESULT_FD`, which the supervisor reads and checks against the run's random token. A
 program that calls ``sys.exit(0)`` or ``os._exit(0)``, or prints "passed", leaves its tests
 unreported, and unreported tests count as not passed.
 
@@ -114,6 +114,7 @@ def run_tests(path: str, tests: list[dict], entry_point: str | None, token: str)
         except OSError:
             pass
 
+    report(started=True)  # from here on, anything missing is the code's doing, not the environment's
     sys.argv = [path]
     sys.path.insert(0, os.path.dirname(path))
     g = {"__name__": "solution", "__file__": path, "__builtins__": builtins}

@@ -42,6 +42,16 @@ _SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
 
 
+def harness_started(channel: bytes, token: str) -> bool:
+    """Whether the harness announced itself on the result channel (its first line, with the run's token)."""
+    first = channel.split(b"\n", 1)[0]
+    try:
+        rec = orjson.loads(first)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(rec, dict) and rec.get("token") == token and rec.get("started") is True
+
+
 def parse_test_results(names: list[str], channel: bytes, token: str, run_status: str) -> list[TestResult]:
     """Per-test results from the harness's private channel (JSON lines); lines without ``token`` are ignored.
 
@@ -252,6 +262,38 @@ class Pool:
         for e in errors:
             log.error("sandbox worker failed to start: %s", e)
             self._replace_later(None)
+        if self.cfg.health_check_interval_s > 0:
+            t = asyncio.create_task(self._health_loop())
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+
+    async def _health_loop(self) -> None:
+        """Every ``health_check_interval_s``, run a canary on each idle worker; replace the ones that fail."""
+        canary = {"token": "health", "language": "python", "code": "pass", "stdin": "", "files": {}, "tests": None,
+                  "entry_point": None, "fresh_interpreter": False,
+                  "limits": {"timeout_s": 5.0, "cpu_time_s": 5.0, "memory_mb": 64, "max_processes": 4, "disk_mb": 1,
+                             "output_limit_bytes": 1024, "cpu_cores": 1.0}}
+        while not self.closing:
+            await asyncio.sleep(self.cfg.health_check_interval_s)
+            for _ in range(self.idle.qsize()):
+                if self.closing:
+                    return
+                try:
+                    w = self.idle.get_nowait()
+                except asyncio.QueueEmpty:
+                    break
+                self.counters["health_checks"] += 1
+                try:
+                    raw = await w.request(canary, 5.0 + BACKSTOP_SLACK_S)
+                    healthy = raw.get("status") == "ok"
+                except WorkerFailure:
+                    healthy = False
+                if healthy:
+                    self.idle.put_nowait(w)
+                else:
+                    self.counters["health_check_failures"] += 1
+                    log.error("sandbox worker %s failed its health check; replacing it", w.name)
+                    self._replace_later(w)
 
     async def _spawn(self, index: int) -> WorkerHandle:
         w = WorkerHandle(index, self.cfg, self.layers, self.caps)
@@ -332,6 +374,10 @@ class Pool:
                 raise
             finally:
                 self.running -= 1
+            if (req.tests is not None and raw.get("status") in ("ok", "runtime_error", "killed")
+                    and not harness_started(raw["_parts"][2], token)):
+                # the harness never ran (the run died before any user code): the environment's fault
+                raw = {"status": "infra_error", "error": "the test harness did not start", "_parts": raw["_parts"]}
             env_failure = raw.get("status") == "infra_error"
             if w is not None:
                 if env_failure:  # never reuse a worker whose environment just failed
@@ -435,7 +481,8 @@ class Pool:
         """Counters and the latency histogram in the Prometheus text format (for ``/metrics``)."""
         lines = ["# TYPE flywheel_sandbox_runs_total counter"]
         lines += [f'flywheel_sandbox_runs_total{{status="{s}"}} {n}' for s, n in self.runs.items()]
-        for k in ("attempts", "environment_failures", "workers_started", "workers_recycled", "workers_found_dead"):
+        for k in ("attempts", "environment_failures", "workers_started", "workers_recycled", "workers_found_dead",
+                  "health_checks", "health_check_failures"):
             lines += [f"# TYPE flywheel_sandbox_{k}_total counter", f"flywheel_sandbox_{k}_total {self.counters[k]}"]
         lines += ["# TYPE flywheel_sandbox_breaker_open gauge",
                   f"flywheel_sandbox_breaker_open {int(self.breaker.state != 'closed')}",

@@ -109,3 +109,20 @@ def test_metrics_are_prometheus_text():
         assert 'flywheel_sandbox_runs_total{status="ok"} 1' in text
         assert 'flywheel_sandbox_runs_total{status="runtime_error"} 1' in text
         assert "flywheel_sandbox_execution_seconds_count 2" in text
+
+
+async def test_health_check_replaces_a_dead_idle_worker():
+    app = create_app(SandboxConfig(max_concurrency=1, health_check_interval_s=0.3))
+    async with app.router.lifespan_context(app), \
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sbx", timeout=60) as c:
+        before = (await c.get("/healthz")).json()["workers"]["pids"]
+        _kill_workers(app)  # idle, nobody is using it: only the health check can notice
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            health = (await c.get("/healthz")).json()
+            if health["counters"].get("health_check_failures") and health["workers"]["alive"] == 1:
+                break
+        assert health["counters"]["health_check_failures"] >= 1, health
+        assert health["workers"]["pids"] != before and health["workers"]["alive"] == 1
+        res = (await c.post("/v1/execute", json={"code": "print(1)"})).json()
+        assert (res["status"], res["attempts"]) == ("ok", 1), res
