@@ -78,12 +78,14 @@ def plain_loop(config_path: Path, steps: int) -> list[float]:
     """Seconds per step of a textbook synchronous generate → score → full-forward GRPO update loop."""
     import torch
 
-    from trainer_service.losses.grpo import GRPOLossConfig, group_advantages, grpo_loss
+    from trainer_service.losses import resolve_loss
+    from trainer_service.losses.advantages import group_advantages
+    from trainer_service.losses.grpo import grpo_loss
 
     cfg, tok, engine, tasks, reward, rng = _setup(config_path)
     model = engine.model
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
-    loss_cfg = GRPOLossConfig(clip_eps=cfg.trainer.clip_eps, loss_agg=cfg.trainer.loss_agg)
+    loss_cfg = resolve_loss(cfg.trainer).cfg
     times = []
     for step in range(steps):
         t0 = time.perf_counter()
@@ -95,7 +97,7 @@ def plain_loop(config_path: Path, steps: int) -> list[float]:
                 prompts_rows.append(p)
                 comps.append(s.completion_ids)
                 blps.append(s.logprobs)
-        adv = group_advantages(torch.tensor(rewards, dtype=torch.float64), cfg.trainer.adv_eps).flatten().float()
+        adv = group_advantages(torch.tensor(rewards, dtype=torch.float64), "grpo", cfg.trainer.adv_eps).flatten().float()
         # left-padded prompts then right-padded completions (as TRL lays them out): every completion
         # starts at column P, and only the last T + 1 positions go through the output layer
         B, P, T = len(comps), max(map(len, prompts_rows)), max(1, max(map(len, comps)))
@@ -116,7 +118,7 @@ def plain_loop(config_path: Path, steps: int) -> list[float]:
         pos = (attn.cumsum(1) - 1).clamp(min=0)
         logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1).logits[:, :-1]
         lp = torch.log_softmax(logits.float() / cfg.scheduler.temperature, -1).gather(-1, ids[:, P:, None])[..., 0]
-        norm = mask.sum().clamp(min=1) if cfg.trainer.loss_agg == "token_mean" else float(B)
+        norm = mask.sum().clamp(min=1) if loss_cfg.loss_agg == "token_mean" else float(B)
         loss, _ = grpo_loss(lp, blp, adv, mask, float(norm), loss_cfg)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.max_grad_norm)

@@ -10,8 +10,11 @@ class TrainerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    loss: Literal["grpo"] = "grpo"
-    """Policy-gradient loss family (``trainer_service/losses/``)."""
+    loss: Literal["grpo", "dr_grpo", "dapo", "rloo", "gspo"] = "grpo"
+    """Loss family (``trainer_service/losses/``): ``grpo`` (group mean/std advantages, PPO clip),
+    ``dr_grpo`` (no std division, token sum over a constant L_max), ``dapo`` (clip-higher 0.28,
+    token mean; pair it with ``scheduler.oversample`` for dynamic sampling and ``truncation: penalise``
+    for overlong shaping), ``rloo`` (leave-one-out baseline), ``gspo`` (sequence-level ratio)."""
     batch_groups: int = Field(4, ge=1, le=4096)
     """Complete groups per optimizer step (the batch)."""
     max_staleness: int = Field(1, ge=0, le=1000)
@@ -19,18 +22,40 @@ class TrainerConfig(BaseModel):
     max_steps: int = Field(30, ge=1)
     """Optimizer steps (published policy versions) after which the trainer stops training."""
     lr: float = Field(1e-5, gt=0, le=1.0)
-    """AdamW learning rate."""
+    """AdamW peak learning rate."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warm-up from lr / warm-up to lr (then constant)."""
     weight_decay: float = Field(0.0, ge=0.0, le=1.0)
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
-    clip_eps: float = Field(0.2, gt=0, le=10.0)
-    """PPO clip range ε: the ratio is clipped to [1 − ε, 1 + ε]."""
-    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
-    """How the GRPO loss averages: over all tokens of the batch (DAPO) or per sequence then over sequences
-    (original GRPO). See ``trainer_service/losses/grpo.py``."""
+    clip_eps: float | None = Field(None, gt=0, le=10.0)
+    """ε_low of the clipped ratio; ``None`` = the loss's default (0.2; GSPO 3e-4)."""
+    clip_eps_high: float | None = Field(None, gt=0, le=10.0)
+    """ε_high; ``None`` = the loss's default (= ε_low; DAPO 0.28; GSPO 4e-4)."""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] | None = None
+    """Aggregation (``losses/grpo.py``); ``None`` = the loss's default (token_mean; Dr. GRPO
+    seq_mean_token_sum; GSPO always averages sequences)."""
+    max_response_tokens: int = Field(1024, ge=1)
+    """L_max: the generation budget used by Dr. GRPO's constant normaliser."""
     adv_eps: float = Field(1e-4, gt=0)
     """Floor added to the group reward std before dividing (keeps near-constant groups bounded)."""
+    off_policy: Literal["ppo_clip", "decoupled", "tis"] = "ppo_clip"
+    """Correction for samples of older policies: clip against the behaviour policy, decoupled PPO
+    (clip against the trainer's own pre-step policy, times a truncated importance weight), or
+    truncated importance sampling. See ``losses/grpo.py``."""
+    is_cap: float = Field(2.0, ge=1.0)
+    """Cap of the truncated importance weight π/π_behaviour (``decoupled``, ``tis``)."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """β of the KL to the frozen base model (0 = off, and no reference model is kept)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (``losses/kl.py``); every one contributes the gradient of KL(π_θ ‖ π_ref)."""
+    truncation: Literal["mask", "penalise", "keep"] = "mask"
+    """Samples cut at the token budget (finish_reason ``length``): ``mask`` (their tokens train
+    nothing; they still count in their group's advantages; DAPO's overlong filtering), ``penalise``
+    (reward minus ``truncation_penalty`` before advantages), or ``keep`` (train as scored)."""
+    truncation_penalty: float = Field(1.0, ge=0.0)
+    """Subtracted from a truncated sample's reward with ``truncation: penalise``."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Global gradient-norm clip."""
     micro_batch_size: int = Field(8, ge=1, le=4096)

@@ -1,8 +1,9 @@
-"""The policy trainer: one GRPO optimizer step over complete groups.
+"""The policy trainer: one optimizer step of a GRPO-family loss over complete groups.
 
-A step reads top to bottom in named phases: collate → advantages → micro-batched forward and
-backward of the rows whose advantage is not exactly 0 (gradients accumulate, normalised by the
-whole batch's token or sequence count) → clip → AdamW step.
+A step reads top to bottom in named phases: truncation policy → advantages (``losses/advantages.py``)
+→ micro-batched forward and backward (gradients accumulate, normalised by the whole batch's token or
+sequence count; rows whose advantage is exactly 0 are skipped when there is no KL term, since their
+loss and gradient are exactly 0) → KL to the reference (optional) → clip → AdamW step → LR schedule.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import copy
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +20,10 @@ import torch
 from shared.schemas import ScoredTrajectory
 from trainer_service.config import TrainerConfig
 from trainer_service.groups import Group
-from trainer_service.losses.grpo import GRPOLossConfig, batch_normalizer, group_advantages, grpo_loss
+from trainer_service.losses import resolve_loss
+from trainer_service.losses.advantages import group_advantages
+from trainer_service.losses.grpo import aggregate, batch_normalizer
+from trainer_service.losses.kl import kl_term, kl_value
 
 
 @dataclass
@@ -76,9 +81,11 @@ def collate(rows: list[ScoredTrajectory], pad_id: int, dtype: torch.dtype = torc
     return Batch(pids, pmask, pmask.sum(1), torch.tensor(row_prompt), comp, cmask, blp, mask, temp)
 
 
-def completion_logprobs(model: torch.nn.Module, batch: Batch, autocast_bf16: bool = False) -> torch.Tensor:
+def completion_logprobs(model: torch.nn.Module, batch: Batch, autocast_bf16: bool = False,
+                        entropy: list | None = None) -> torch.Tensor:
     """log π_θ of each completion token at the row's sampling temperature: ``[B, T]``, float32
-    (float64 for a float64 model).
+    (float64 for a float64 model). With ``entropy`` (a list), the ``[B, T]`` entropy of each token's
+    distribution (nats, no gradient) is appended to it.
 
     Two passes of the transformer body: the U distinct prompts (with their key/value cache, which
     keeps its autograd graph), then the B completions on top of the cache expanded to the rows.
@@ -106,22 +113,36 @@ def completion_logprobs(model: torch.nn.Module, batch: Batch, autocast_bf16: boo
     logits = torch.nn.functional.linear(hidden.to(w.dtype), w)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     logits = logits / batch.temperature.to(logits.dtype)[:, None, None]  # what the rollout sampled from
-    return torch.log_softmax(logits, dim=-1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+    logp = torch.log_softmax(logits, dim=-1)
+    if entropy is not None:
+        with torch.no_grad():
+            entropy.append(-(logp.exp() * logp).sum(-1))
+    return logp.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
 
 
 class PolicyTrainer:
-    """Model + AdamW + the counters that define the policy version.
+    """Model + AdamW + LR schedule + the counters that define the policy version.
 
-    ``version`` is the number of optimizer steps published so far (0 = the base model).
+    ``version`` is the number of optimizer steps published so far (0 = the base model). With
+    ``cfg.kl_coef > 0`` a frozen copy of the model as given (the base policy) is the KL reference.
     """
 
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, pad_id: int) -> None:
         self.model = model
         self.cfg = cfg
         self.pad_id = pad_id
-        self.loss_cfg = GRPOLossConfig(clip_eps=cfg.clip_eps, adv_eps=cfg.adv_eps, loss_agg=cfg.loss_agg)
+        self.loss = resolve_loss(cfg)
+        self.loss_cfg = self.loss.cfg
+        self.ref_model: torch.nn.Module | None = None
+        if cfg.kl_coef > 0:
+            self.ref_model = copy.deepcopy(model).eval()
+            for p in self.ref_model.parameters():
+                p.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay)
+        warmup = cfg.lr_warmup_steps
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
         self.step = 0
         self.version = 0
 
@@ -135,7 +156,10 @@ class PolicyTrainer:
         if not groups:
             raise ValueError("train_step needs at least one group")
         t0 = time.perf_counter()
-        rows, advantages, zero_var = self._advantages(groups)
+        all_rows, all_adv, zero_var, trains = self._advantages(groups)
+        # truncation "mask": those rows count in their group's advantages but train nothing
+        rows = [r for r, t in zip(all_rows, trains) if t]
+        advantages = all_adv[torch.tensor(trains, dtype=torch.bool)]
         # a group's rows share a micro-batch (one prompt pass), similar lengths together (less padding);
         # the result does not depend on the split
         order = sorted(range(len(rows)), key=lambda i: (len(rows[i].trajectory.prompt_ids),
@@ -144,75 +168,105 @@ class PolicyTrainer:
         rows, advantages = [rows[i] for i in order], advantages[order]
         tokens = [sum(r.trajectory.loss_mask) for r in rows]
         n_tokens = max(1.0, float(sum(tokens)))
-        # the denominator counts every row, including those skipped below
+        # the denominator counts every training row, including those skipped below
         normalizer = batch_normalizer([r.trajectory.loss_mask for r in rows], self.loss_cfg)
-        # a row with advantage exactly 0 (its group's rewards are all equal) has loss and gradient exactly 0
-        # (no KL term): skip its forward and backward, the step is the same
-        live = [i for i in range(len(rows)) if advantages[i] != 0]
+        # without a KL term, a row with advantage exactly 0 (its group's rewards are all equal) has loss
+        # and gradient exactly 0: skip its forward and backward, the step is the same
+        live = [i for i in range(len(rows)) if advantages[i] != 0 or self.ref_model is not None]
         live_rows, live_adv = [rows[i] for i in live], advantages[live]
         live_tokens = max(1.0, float(sum(tokens[i] for i in live)))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {"loss/pg": 0.0, "loss/clip_frac_sum": 0.0, "loss/kl_behaviour_sum": 0.0,
-                                  "loss/ratio_sum": 0.0}
+        sums: dict[str, float] = {"loss/pg": 0.0, "loss/kl_ref": 0.0, "loss/clip_frac_sum": 0.0,
+                                  "loss/kl_behaviour_sum": 0.0, "loss/ratio_sum": 0.0, "loss/is_weight_sum": 0.0,
+                                  "loss/is_truncated_sum": 0.0, "loss/entropy_sum": 0.0, "loss/kl_ref_sum": 0.0}
         mb = self.cfg.micro_batch_size
         for i in range(0, len(live_rows), mb):
             batch = collate(live_rows[i:i + mb], self.pad_id)
-            logprobs = completion_logprobs(self.model, batch, self.cfg.autocast_bf16)
-            loss, m = grpo_loss(logprobs, batch.behaviour_logprobs, live_adv[i:i + mb], batch.loss_mask,
-                                normalizer, self.loss_cfg)
-            loss.backward()
+            ent: list[torch.Tensor] = []
+            logprobs = completion_logprobs(self.model, batch, self.cfg.autocast_bf16, entropy=ent)
+            loss, m = self.loss.surrogate(logprobs, batch.behaviour_logprobs, live_adv[i:i + mb], batch.loss_mask,
+                                          normalizer, self.loss_cfg)
             sums["loss/pg"] += float(loss.detach())
+            mask = batch.loss_mask
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref = completion_logprobs(self.ref_model, batch, self.cfg.autocast_bf16)
+                kl = aggregate(kl_term(logprobs, ref, self.cfg.kl_estimator), mask, normalizer, self.loss_cfg.loss_agg)
+                loss = loss + self.cfg.kl_coef * kl
+                sums["loss/kl_ref"] += float(kl.detach())
+                sums["loss/kl_ref_sum"] += float((kl_value(logprobs.detach(), ref, self.cfg.kl_estimator) * mask).sum())
+            loss.backward()
+            sums["loss/entropy_sum"] += float((ent[0] * mask).sum())
             for k, v in m.items():
                 sums[k] += v
         for p in self.model.parameters():  # AdamW skips a None grad; a zero one still moves the moments
             if p.grad is None and p.requires_grad:
                 p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
+        self.lr_scheduler.step()
         self.model.eval()
         self.step += 1
         self.version += 1
-        rewards = [r.reward.total for r in rows]
-        lengths = [len(r.trajectory.completion_ids) for r in rows]
-        staleness = [self.version - 1 - r.trajectory.behaviour_version for r in rows]
+        rewards = [r.reward.total for r in all_rows]
+        lengths = [len(r.trajectory.completion_ids) for r in all_rows]
+        staleness = [self.version - 1 - r.trajectory.behaviour_version for r in all_rows]
         elapsed = time.perf_counter() - t0
-        return {
+        metrics = {
             "loss/pg": sums["loss/pg"],
-            # ratio statistics over the tokens that went through the model (advantage ≠ 0)
+            # per-token statistics over the tokens that went through the model
             "loss/clip_frac": sums["loss/clip_frac_sum"] / live_tokens,
             "loss/kl_behaviour": sums["loss/kl_behaviour_sum"] / live_tokens,
             "loss/ratio_mean": sums["loss/ratio_sum"] / live_tokens if live_rows else 1.0,
+            "loss/is_weight_mean": sums["loss/is_weight_sum"] / live_tokens if live_rows else 1.0,
+            "loss/is_truncated_frac": sums["loss/is_truncated_sum"] / live_tokens,
+            "loss/entropy": sums["loss/entropy_sum"] / live_tokens,
             "train/grad_norm": float(grad_norm),
+            "train/lr": float(lr),
             "train/reward_mean": float(np.mean(rewards)),
             "train/pass_rate": float(np.mean([x >= 1.0 for x in rewards])),
-            "train/adv_mean": float(advantages.mean()),
-            "train/adv_std": float(advantages.std()) if len(advantages) > 1 else 0.0,
+            "train/adv_mean": float(all_adv.mean()),
+            "train/adv_std": float(all_adv.std()) if len(all_adv) > 1 else 0.0,
             "train/response_len": float(np.mean(lengths)),
-            "train/truncated_frac": float(np.mean([r.trajectory.finish_reason == "length" for r in rows])),
+            "train/truncated_frac": float(np.mean([r.trajectory.finish_reason == "length" for r in all_rows])),
+            "train/truncated_masked": float(len(all_rows) - len(rows)),
             "train/staleness_mean": float(np.mean(staleness)),
             "train/staleness_max": float(max(staleness)),
             "train/zero_variance_groups": float(zero_var),
             "train/skipped_zero_adv_samples": float(len(rows) - len(live_rows)),
             "train/groups": float(len(groups)),
-            "train/samples": float(len(rows)),
+            "train/samples": float(len(all_rows)),
             "train/tokens": n_tokens,
             "train/tokens_per_s": n_tokens / elapsed,
             "time/train_step_s": elapsed,
         }
+        for s_, n in sorted(Counter(staleness).items()):
+            metrics[f"train/staleness_hist/{s_}"] = float(n)
+        if self.ref_model is not None:
+            metrics["loss/kl_ref"] = sums["loss/kl_ref"]
+            metrics["loss/kl_ref_mean"] = sums["loss/kl_ref_sum"] / live_tokens
+        return metrics
 
-    def _advantages(self, groups: list[Group]) -> tuple[list[ScoredTrajectory], torch.Tensor, int]:
+    def _advantages(self, groups: list[Group]) -> tuple[list[ScoredTrajectory], torch.Tensor, int, list[bool]]:
+        """Rows, their advantages ``[N]`` float32, the count of zero-variance groups, and whether each row trains."""
         rows: list[ScoredTrajectory] = []
         advs: list[torch.Tensor] = []
+        trains: list[bool] = []
         zero_var = 0
+        policy = self.cfg.truncation
         for g in groups:
             grow = g.rows()
-            r = torch.tensor([[s.reward.total for s in grow]], dtype=torch.float64)
-            a = group_advantages(r, self.cfg.adv_eps)[0]
+            cut = [s.trajectory.finish_reason == "length" for s in grow]
+            rewards = [s.reward.total - (self.cfg.truncation_penalty if c and policy == "penalise" else 0.0)
+                       for s, c in zip(grow, cut)]
+            a = group_advantages(torch.tensor([rewards], dtype=torch.float64), self.loss.estimator, self.cfg.adv_eps)[0]
             zero_var += int(bool((a == 0).all()))
             rows.extend(grow)
             advs.append(a)
-        return rows, torch.cat(advs).float(), zero_var
+            trains.extend(not (c and policy == "mask") for c in cut)
+        return rows, torch.cat(advs).float(), zero_var, trains
 
     # ------------------------------------------------------------------ state
     def state_dict(self, done_groups: set[str]) -> dict:
@@ -222,6 +276,7 @@ class PolicyTrainer:
         """
         return {
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
             "step": self.step,
             "version": self.version,
             "done_groups": sorted(done_groups),
@@ -231,6 +286,8 @@ class PolicyTrainer:
     def load_state_dict(self, state: dict) -> set[str]:
         """Restore from :meth:`state_dict`; returns the ids of groups already trained or dropped."""
         self.optimizer.load_state_dict(state["optimizer"])
+        if "lr_scheduler" in state:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.step, self.version = state["step"], state["version"]
         torch.set_rng_state(state["rng"]["torch"])
         np.random.set_state(state["rng"]["numpy"])

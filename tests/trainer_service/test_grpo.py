@@ -3,20 +3,21 @@ import math
 import pytest
 import torch
 
-from trainer_service.losses.grpo import GRPOLossConfig, group_advantages, grpo_loss
+from trainer_service.losses.advantages import group_advantages
+from trainer_service.losses.grpo import GRPOLossConfig, grpo_loss
 
 
 def test_advantages_hand_computed():
     r = torch.tensor([[1.0, 0.0, 0.0, 1.0]], dtype=torch.float64)
     std = math.sqrt(((0.5**2) * 4) / 3)  # unbiased
     expected = torch.tensor([[0.5, -0.5, -0.5, 0.5]], dtype=torch.float64) / (std + 1e-4)
-    torch.testing.assert_close(group_advantages(r, 1e-4), expected)
+    torch.testing.assert_close(group_advantages(r, "grpo", 1e-4), expected)
 
 
 def test_constant_group_gets_exact_zero_and_near_constant_is_bounded():
-    assert torch.equal(group_advantages(torch.ones(1, 4), 1e-4), torch.zeros(1, 4))
+    assert torch.equal(group_advantages(torch.ones(1, 4), "grpo", 1e-4), torch.zeros(1, 4))
     r = torch.tensor([[0.35] * 7 + [0.35 + 1e-7]], dtype=torch.float64)
-    assert group_advantages(r, 1e-4).abs().max() < 0.01
+    assert group_advantages(r, "grpo", 1e-4).abs().max() < 0.01
 
 
 def test_grpo_loss_matches_hand_computed_example():

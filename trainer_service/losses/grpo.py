@@ -1,19 +1,31 @@
-"""GRPO: group-normalised advantages with a PPO-style clipped importance ratio.
+"""The token-level clipped surrogate shared by GRPO, Dr. GRPO, DAPO and RLOO (they differ in the
+advantage estimator, ``losses/advantages.py``, in the clip range and in the aggregation).
 
-Formula (Shao et al. 2024, "DeepSeekMath", eq. 3, with the token-level aggregation of DAPO,
-Yu et al. 2025, §3.3):
+Formula (Shao et al. 2024, "DeepSeekMath", eq. 3; PPO, Schulman et al. 2017, eq. 7):
 
-    A_i      = (r_i − mean(r_group)) / (std(r_group) + ε_std)
     ρ_t      = exp(log π_θ(y_t) − log π_behaviour(y_t))
-    ℓ_t      = −min(ρ_t · A_i, clip(ρ_t, 1 − ε, 1 + ε) · A_i)
-    loss     = Σ_i Σ_t mask_it · ℓ_it / N_tokens                      (loss_agg = "token_mean", DAPO)
-    loss     = Σ_i (Σ_t mask_it · ℓ_it / |o_i|) / N_sequences          (loss_agg = "seq_mean_token_mean",
-                                                                        DeepSeekMath eq. 3; TRL loss_type="grpo")
+    ℓ_t      = −min(ρ_t · A_i, clip(ρ_t, 1 − ε_low, 1 + ε_high) · A_i)
 
-``N_tokens`` (unmasked completion tokens) or ``N_sequences`` is counted over the *whole* optimizer
-batch and passed in as ``normalizer``, so the gradient does not depend on how the batch is cut into
-micro-batches (:func:`batch_normalizer`). std is the unbiased (Bessel-corrected) group std, as in
-TRL's GRPOTrainer.
+``ε_high > ε_low`` is DAPO's clip-higher (Yu et al. 2025, "DAPO", §3.1). Aggregation over the
+optimizer batch (``N`` is counted over the *whole* batch and passed in as ``normalizer``, so the
+gradient does not depend on the micro-batch split, :func:`batch_normalizer`):
+
+    token_mean           Σ_i Σ_t m_it ℓ_it / N_tokens                 (DAPO §3.3)
+    seq_mean_token_mean  Σ_i (Σ_t m_it ℓ_it / |o_i|) / N_sequences    (DeepSeekMath eq. 3; TRL "grpo")
+    seq_mean_token_sum   Σ_i Σ_t m_it ℓ_it / (N_sequences · L_max)     (Dr. GRPO, Liu et al. 2025 §3.1:
+                                                                       a constant, not the length)
+
+Off-policy correction for asynchronous samples (``off_policy``):
+
+    ppo_clip   the ratio above, against the behaviour policy that sampled the tokens.
+    decoupled  decoupled PPO (Hilton et al. 2022, "Batch size-invariance for policy optimization";
+               AReaL, Fu et al. 2025, eq. 5): the clip is taken against the proximal policy π_prox
+               (the trainer's weights before this step: ``logprobs.detach()``, since each batch gets
+               one optimizer step) and the whole term is weighted by the truncated importance weight
+               w_t = min(π_prox / π_behaviour, C), detached.
+    tis        truncated importance sampling (Ionides 2008; "Your efficient RL framework secretly
+               brings you off-policy RL training", Yao et al. 2025): ℓ_t = −min(ρ_t, C)·A_i·log π_θ with
+               the weight detached (a REINFORCE gradient, no clipping).
 """
 
 from __future__ import annotations
@@ -23,43 +35,48 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+OffPolicy = Literal["ppo_clip", "decoupled", "tis"]
+
 
 class GRPOLossConfig(BaseModel):
-    """Settings of the GRPO loss."""
+    """Settings of the token-level surrogate."""
 
     model_config = ConfigDict(extra="forbid")
     clip_eps: float = Field(0.2, gt=0)
-    """ε of the clipped ratio."""
+    """ε_low: the ratio is clipped below at 1 − ε_low."""
+    clip_eps_high: float | None = Field(None, gt=0)
+    """ε_high (DAPO clip-higher); ``None`` = ε_low (symmetric PPO clip)."""
     adv_eps: float = Field(1e-4, gt=0)
-    """ε_std added to the group std (bounds advantages of near-constant groups)."""
-    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
-    """``token_mean``: every token of the batch weighs the same (DAPO). ``seq_mean_token_mean``: mean over
-    each sequence's tokens, then over sequences (the original GRPO; short answers weigh more per token)."""
+    """ε_std added to the group std by the ``grpo`` advantage estimator."""
+    loss_agg: Aggregation = "token_mean"
+    """See the module docstring."""
+    max_response_tokens: int = Field(1024, ge=1)
+    """L_max of the ``seq_mean_token_sum`` aggregation (the generation budget)."""
+    off_policy: OffPolicy = "ppo_clip"
+    """See the module docstring."""
+    is_cap: float = Field(2.0, ge=1.0)
+    """C, the cap of the truncated importance weight (``decoupled`` and ``tis``)."""
+
+    @property
+    def eps_high(self) -> float:
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
 
 
 def batch_normalizer(loss_masks: list[list[int]], cfg: GRPOLossConfig) -> float:
-    """The loss denominator of a whole optimizer batch: unmasked tokens, or sequences (≥ 1)."""
+    """The loss denominator of a whole optimizer batch: unmasked tokens, sequences, or sequences × L_max (≥ 1)."""
     if cfg.loss_agg == "token_mean":
         return max(1.0, float(sum(sum(m) for m in loss_masks)))
+    if cfg.loss_agg == "seq_mean_token_sum":
+        return max(1.0, float(len(loss_masks) * cfg.max_response_tokens))
     return max(1.0, float(len(loss_masks)))
 
 
-def group_advantages(rewards: torch.Tensor, adv_eps: float) -> torch.Tensor:
-    """Group-normalised advantages.
-
-    Args:
-        rewards: ``[G, K]`` float rewards, one row per group of K samples (K ≥ 2).
-        adv_eps: ε_std added to the std before dividing.
-
-    Returns:
-        ``[G, K]`` advantages, same dtype. A group with identical rewards gets exactly 0.
-    """
-    mean = rewards.mean(dim=1, keepdim=True)
-    std = rewards.std(dim=1, keepdim=True, unbiased=True)
-    centred = rewards - mean
-    # exact zeros for zero-variance groups (mean subtraction can leave ±1 ulp otherwise)
-    centred = torch.where(std == 0, torch.zeros_like(centred), centred)
-    return centred / (std + adv_eps)
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, normalizer: float, agg: Aggregation) -> torch.Tensor:
+    """Sum ``per_token`` ``[B, T]`` over unmasked tokens as ``agg`` prescribes, divided by ``normalizer``."""
+    if agg == "seq_mean_token_mean":
+        return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1.0)).sum() / normalizer
+    return (per_token * mask).sum() / normalizer
 
 
 def grpo_loss(
@@ -76,33 +93,45 @@ def grpo_loss(
         logprobs: ``[B, T]`` float, log π_θ of each completion token (requires grad).
         behaviour_logprobs: ``[B, T]`` float, log-probs recorded by the rollout engine.
         advantages: ``[B]`` float, one per trajectory.
-        mask: ``[B, T]`` float/bool, 1 on tokens that train (0 on padding and tool output).
+        mask: ``[B, T]`` float/bool, 1 on tokens that train (0 on padding, prompt and tool output:
+            those tokens enter neither the loss nor any ratio statistic).
         normalizer: :func:`batch_normalizer` of the whole optimizer batch (> 0).
-        cfg: clip settings.
+        cfg: clip, aggregation and off-policy settings.
 
     Returns:
-        ``(loss, metrics)``: a scalar tensor (this micro-batch's share of the batch loss) and
-        sums over the micro-batch's unmasked tokens, to be added across micro-batches and divided
-        by the batch's token count: ``loss/clip_frac_sum``, ``loss/kl_behaviour_sum`` (k1: log π_b − log π_θ),
-        ``loss/ratio_sum``.
+        ``(loss, metrics)``: a scalar tensor (this micro-batch's share of the batch loss) and sums
+        over the micro-batch's unmasked tokens, to be added across micro-batches and divided by the
+        batch's token count: ``loss/clip_frac_sum``, ``loss/kl_behaviour_sum`` (k1: log π_b − log π_θ),
+        ``loss/ratio_sum``, ``loss/is_weight_sum``, ``loss/is_truncated_sum``.
     """
     mask = mask.to(logprobs.dtype)
-    log_ratio = (logprobs - behaviour_logprobs) * mask  # masked tokens get ratio exactly 1
-    ratio = torch.exp(log_ratio)
+    log_ratio = (logprobs - behaviour_logprobs) * mask  # masked tokens: ratio exactly 1, never clipped
     adv = advantages.unsqueeze(1).to(logprobs.dtype)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps) * adv
-    per_token = -torch.minimum(unclipped, clipped)
-    if cfg.loss_agg == "token_mean":
-        loss = (per_token * mask).sum() / normalizer
-    else:
-        per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1.0)
-        loss = per_seq.sum() / normalizer
+    lo, hi = 1.0 - cfg.clip_eps, 1.0 + cfg.eps_high
     with torch.no_grad():
-        was_clipped = ((unclipped - clipped).abs() > 0).to(mask.dtype) * mask
+        behaviour_ratio = torch.exp(log_ratio)
+        is_weight = torch.clamp(behaviour_ratio, max=cfg.is_cap)
+    if cfg.off_policy == "tis":
+        per_token = -is_weight * adv * logprobs
+        was_clipped = torch.zeros_like(mask)
+    else:
+        if cfg.off_policy == "decoupled":
+            ratio = torch.exp((logprobs - logprobs.detach()) * mask)  # against π_prox: 1 in value, ∇ = ∇log π
+            weight = is_weight
+        else:
+            ratio = torch.exp(log_ratio)
+            weight = torch.ones_like(is_weight)
+        unclipped = ratio * adv
+        clipped = torch.clamp(ratio, lo, hi) * adv
+        per_token = -weight * torch.minimum(unclipped, clipped)
+        was_clipped = (unclipped - clipped).abs() > 0
+    loss = aggregate(per_token, mask, normalizer, cfg.loss_agg)
+    with torch.no_grad():
         metrics = {
-            "loss/clip_frac_sum": float(was_clipped.sum()),
+            "loss/clip_frac_sum": float((was_clipped.to(mask.dtype) * mask).sum()),
             "loss/kl_behaviour_sum": float((-log_ratio * mask).sum()),
-            "loss/ratio_sum": float((ratio * mask).sum()),
+            "loss/ratio_sum": float((behaviour_ratio * mask).sum()),
+            "loss/is_weight_sum": float((is_weight * mask).sum()),
+            "loss/is_truncated_sum": float(((behaviour_ratio > cfg.is_cap).to(mask.dtype) * mask).sum()),
         }
     return loss, metrics
