@@ -3,7 +3,8 @@
 - ``POST /v1/execute``: body :class:`~sandbox_service.schemas.ExecuteRequest`, answer
   :class:`~sandbox_service.schemas.ExecuteResult` with HTTP 200 for every run, including runs whose
   environment failed on every attempt (status ``infra_error``). HTTP 422: the body is invalid (the
-  detail names the field). HTTP 503: the service cannot take work now (queue full, circuit breaker
+  detail names the field). HTTP 413: the body is larger than ``max_request_bytes``. HTTP 503: the
+  service cannot take work now (queue full, circuit breaker
   open, shutting down); retry later. Callers must treat ``infra_error`` and 503 as infrastructure
   failures, never as a wrong answer.
 - ``GET /healthz``: isolation layers, degraded layers, workers, breaker, run counts. HTTP 200 while
@@ -18,10 +19,12 @@ from __future__ import annotations
 
 import logging
 import uuid
+
+import orjson
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from opentelemetry import propagate, trace
 
 from sandbox_service.config import SandboxConfig
@@ -86,6 +89,17 @@ def create_app(config: SandboxConfig, caps: Capabilities | None = None) -> FastA
     app = FastAPI(title="Flywheel sandbox", lifespan=lifespan)
     install_validation_handler(app)
 
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):
+        """HTTP 413 for a body larger than ``max_request_bytes``, before any of it is read."""
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > config.max_request_bytes):
+            return JSONResponse({"detail": f"request body larger than {config.max_request_bytes} bytes"},
+                                status_code=413)
+        if length is None and request.method == "POST":
+            return JSONResponse({"detail": "a Content-Length header is required"}, status_code=411)
+        return await call_next(request)
+
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
         h = app.state.pool.health()
@@ -95,8 +109,8 @@ def create_app(config: SandboxConfig, caps: Capabilities | None = None) -> FastA
     async def metrics() -> str:
         return app.state.pool.prometheus()
 
-    @app.post("/v1/execute", response_model=ExecuteResult)
-    async def execute(req: ExecuteRequest, request: Request) -> ExecuteResult:
+    @app.post("/v1/execute", response_model=ExecuteResult, responses={200: {"model": ExecuteResult}})
+    async def execute(req: ExecuteRequest, request: Request) -> Response:
         pool: Pool = app.state.pool
         try:
             pool.admit()
@@ -115,6 +129,7 @@ def create_app(config: SandboxConfig, caps: Capabilities | None = None) -> FastA
                      run_id, trace_id, req.language, result.status, result.exit_code, result.attempts,
                      result.wall_s, result.cpu_s, result.peak_memory_bytes, result.tests_passed,
                      result.tests_total, len(result.stdout), len(result.stderr), ",".join(result.degraded) or "-")
-        return result
+        # already validated when built: serialise once (orjson), not again through the response model
+        return Response(orjson.dumps(result.model_dump()), media_type="application/json")
 
     return app

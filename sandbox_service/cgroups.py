@@ -60,6 +60,17 @@ def detect_cgroup(root: str = "/sys/fs/cgroup") -> tuple[str | None, str]:
         return None, f"cgroups under {root} are not writable: {e}"
 
 
+def slot_cgroup_names(version: str, root: str = "/sys/fs/cgroup") -> list[str]:
+    """Names of the slot cgroups that exist now (any service's)."""
+    r = Path(root)
+    parents = [r / c / PARENT for c in ("memory", "pids", "cpu", "cpuacct")] if version == "v1" else [r / PARENT]
+    names: set[str] = set()
+    for p in parents:
+        if p.is_dir():
+            names |= {d.name for d in p.iterdir() if d.is_dir()}
+    return sorted(names)
+
+
 class SlotCgroup:
     """The cgroup(s) of one sandbox slot; create with :meth:`create`, remove with :meth:`remove`.
 
@@ -79,6 +90,7 @@ class SlotCgroup:
             self.dirs = {"unified": r / PARENT / name}
         self._oom_before = 0
         self._cpu_before: int | None = None
+        self._oom_after: int | None = None
 
     def _dir(self, ctrl: str) -> Path | None:
         return self.dirs.get(ctrl if self.version == "v1" else "unified")
@@ -100,16 +112,22 @@ class SlotCgroup:
             _write(self.dirs["memory"] / "memory.max_usage_in_bytes", "0")
             if "cpuacct" in self.dirs:
                 _write(self.dirs["cpuacct"] / "cpuacct.usage", "0")
-        elif (self.dirs["unified"] / "memory.peak").exists():
-            try:
-                _write(self.dirs["unified"] / "memory.peak", "0")  # Linux 6.12+: resets the peak for this writer
-            except OSError:
-                pass
-        self._cpu_before = self._cpu_ns_raw()
-        self._oom_before = self.oom_kills()
+                self._cpu_before = 0
+            else:
+                self._cpu_before = None
+        else:
+            if (self.dirs["unified"] / "memory.peak").exists():
+                try:
+                    _write(self.dirs["unified"] / "memory.peak", "0")  # Linux 6.12+: resets the peak for this writer
+                except OSError:
+                    pass
+            self._cpu_before = self._cpu_ns_raw()
+        if self._oom_after is None:  # the counter is cumulative: the last run's reading is this run's start
+            self._oom_after = self.oom_kills()
+        self._oom_before = self._oom_after
 
-    def set_limits(self, memory_bytes: int, max_pids: int, cpu_cores: float) -> None:
-        """Set a run's memory (bytes, no swap beyond it), process and CPU (cores) limits. Raises OSError."""
+    def set_limits(self, memory_bytes: int, max_pids: int) -> None:
+        """Set a run's memory (bytes, no swap beyond it) and process limits. Raises OSError."""
         if self.version == "v1":
             mem = self.dirs["memory"]
             files = ["memory.limit_in_bytes"]
@@ -122,21 +140,31 @@ class SlotCgroup:
                 for f in reversed(files):  # raising: memsw first
                     _write(mem / f, str(memory_bytes))
             _write(self.dirs["pids"] / "pids.max", str(max_pids))
-            if "cpu" in self.dirs:
-                _write(self.dirs["cpu"] / "cpu.cfs_period_us", str(_CPU_PERIOD_US))
-                _write(self.dirs["cpu"] / "cpu.cfs_quota_us", str(int(cpu_cores * _CPU_PERIOD_US)))
         else:
             d = self.dirs["unified"]
             _write(d / "memory.max", str(memory_bytes))
             if (d / "memory.swap.max").exists():
                 _write(d / "memory.swap.max", "0")
             _write(d / "pids.max", str(max_pids))
-            if (d / "cpu.max").exists():
-                _write(d / "cpu.max", f"{int(cpu_cores * _CPU_PERIOD_US)} {_CPU_PERIOD_US}")
 
-    def attach(self, pid: int = 0) -> None:
-        """Move process ``pid`` (0 = the caller) into every controller of the slot. Raises OSError."""
-        for d in self.dirs.values():
+    def set_cpu_quota(self, cpu_cores: float) -> None:
+        """Limit the slot to ``cpu_cores`` cores (cgroup cpu controller; once per worker). Raises OSError."""
+        quota = int(cpu_cores * _CPU_PERIOD_US)
+        if self.version == "v1":
+            if "cpu" in self.dirs:
+                _write(self.dirs["cpu"] / "cpu.cfs_period_us", str(_CPU_PERIOD_US))
+                _write(self.dirs["cpu"] / "cpu.cfs_quota_us", str(quota))
+        elif (self.dirs["unified"] / "cpu.max").exists():
+            _write(self.dirs["unified"] / "cpu.max", f"{quota} {_CPU_PERIOD_US}")
+
+    def attach(self, pid: int = 0, only: tuple[str, ...] | None = None) -> None:
+        """Move process ``pid`` (0 = the caller) into the slot's controllers (v1: ``only`` those named;
+        v2 has a single hierarchy, where it joins on the first call that names ``memory``). Raises OSError."""
+        for ctrl, d in self.dirs.items():
+            if self.version == "v1" and only is not None and ctrl not in only:
+                continue
+            if self.version == "v2" and only is not None and "memory" not in only:
+                continue
             _write(d / "cgroup.procs", str(pid or os.getpid()))
 
     def pids(self) -> list[int]:
@@ -192,8 +220,9 @@ class SlotCgroup:
         return 0
 
     def oom_killed(self) -> bool:
-        """Whether the OOM killer fired in the slot since :meth:`reset_counters`."""
-        return self.oom_kills() > self._oom_before
+        """Whether the OOM killer fired in the slot since :meth:`reset_counters` (call once per run)."""
+        self._oom_after = self.oom_kills()
+        return self._oom_after > self._oom_before
 
     def _cpu_ns_raw(self) -> int | None:
         try:
@@ -214,7 +243,15 @@ class SlotCgroup:
         return max(0, now - self._cpu_before) / 1e9
 
     def remove(self) -> None:
-        """Kill what is left and remove the slot's cgroups (errors ignored)."""
+        """Kill what is left and remove the slot's cgroups (errors ignored). A caller inside the slot
+        (the worker itself) first moves back to the hierarchy's root."""
+        me = str(os.getpid())
+        for d in self.dirs.values():
+            try:
+                if me in _read(d / "cgroup.procs").split():
+                    _write(d.parent.parent / "cgroup.procs", me)
+            except OSError:
+                pass
         self.kill_all()
         for d in self.dirs.values():
             try:

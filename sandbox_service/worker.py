@@ -26,6 +26,7 @@ service did not switch it off; the service reports the rest as ``degraded``.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import os
 import resource
@@ -42,6 +43,7 @@ from pathlib import Path
 import orjson
 
 from sandbox_service import harness, isolation
+from sandbox_service.frames import read_frame, send_frame
 from sandbox_service.cgroups import SlotCgroup
 
 READ_CHUNK = 65536
@@ -57,33 +59,14 @@ NO_MORE_REQUESTS = 3
 SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1"}
 SOURCE_NAMES = {"python": "main.py", "bash": "main.sh", "c": "main.c", "cpp": "main.cpp"}
-_STATUS_FD = 100
-"""Where R keeps the set-up error pipe while it closes every other descriptor (closed before the code runs)."""
+_STATUS_FD, _CTL_FD, _RSP_FD = 100, 101, 102
+"""Where R keeps its status pipe (set-up errors, then the program's wait status) and where R and C keep
+their link (the go message; in test-harness mode, calls into the solution and its answers)."""
+REQUEST_FAILED = 122
+"""Exit code of R when the request itself cannot run (the reason comes on the status pipe)."""
 
 
 # ---------------------------------------------------------------- frames
-
-
-def read_frame(fd: int) -> dict | None:
-    """Read one length-prefixed orjson frame from ``fd``; None at EOF. Raises ValueError on a torn frame."""
-    head = _read_exact(fd, 4)
-    if head is None:
-        return None
-    (n,) = struct.unpack(">I", head)
-    body = _read_exact(fd, n)
-    if body is None:
-        raise ValueError("EOF inside a frame")
-    return orjson.loads(body)
-
-
-def _read_exact(fd: int, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = os.read(fd, n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
 
 
 def write_frame(fd: int, obj: dict, parts: tuple = ()) -> None:
@@ -102,12 +85,13 @@ def write_frame(fd: int, obj: dict, parts: tuple = ()) -> None:
 
 
 class Capture:
-    """The first ``cap`` bytes of a stream, read straight into fixed 64 KiB chunks (counting the rest).
+    """The first ``cap`` bytes of a stream, read straight into fixed chunks (counting the rest).
 
-    No bytes object ever holds the data and no buffer is reallocated, so :meth:`zero` really wipes it.
+    No bytes object ever holds the data and no chunk is reallocated, so :meth:`zero` really wipes
+    it. Chunks start at 4 KiB and grow to 64 KiB, so a short output costs a small buffer.
     """
 
-    CHUNK = 65536
+    FIRST, CHUNK = 4096, 65536
 
     def __init__(self, cap: int) -> None:
         self.cap, self.kept, self.total = cap, 0, 0
@@ -119,10 +103,11 @@ class Capture:
         if room <= 0:
             n = os.readv(fd, [sink])
         else:
-            if not self.chunks or self.chunks[-1][1] == self.CHUNK:
-                self.chunks.append([bytearray(self.CHUNK), 0])
+            if not self.chunks or self.chunks[-1][1] == len(self.chunks[-1][0]):
+                size = min(self.CHUNK, self.FIRST * 4 ** len(self.chunks))
+                self.chunks.append([bytearray(size), 0])
             c = self.chunks[-1]
-            n = os.readv(fd, [memoryview(c[0])[c[1]:c[1] + min(room, self.CHUNK - c[1])]])
+            n = os.readv(fd, [memoryview(c[0])[c[1]:c[1] + min(room, len(c[0]) - c[1])]])
             c[1] += n
             self.kept += n
         self.total += n
@@ -131,13 +116,21 @@ class Capture:
     def views(self) -> list[memoryview]:
         return [memoryview(c)[:used] for c, used in self.chunks]
 
-    def contains(self, needle: bytes) -> bool:
-        """Whether ``needle`` occurs within one chunk (a match across two chunks is not seen)."""
-        return any(c.find(needle, 0, used) >= 0 for c, used in self.chunks)
+    def last_line_startswith(self, prefix: bytes) -> bool:
+        """Whether the last non-empty line kept starts with ``prefix`` (looked for in the last chunk only)."""
+        if not self.chunks:
+            return False
+        c, used = self.chunks[-1]
+        end = used
+        while end > 0 and c[end - 1] in b"\r\n":
+            end -= 1
+        start = c.rfind(b"\n", 0, end) + 1
+        return c.startswith(prefix, start, end)
 
     def zero(self) -> None:
-        for c, _ in self.chunks:
-            c[:] = bytes(len(c))
+        for c, used in self.chunks:
+            if used:
+                ctypes.memset((ctypes.c_char * used).from_buffer(c), 0, used)
 
 
 # ---------------------------------------------------------------- the worker
@@ -147,8 +140,9 @@ class Worker:
     """State fixed for the worker's life: slot, uid, layers, the prepared root, the cgroup, the seccomp program."""
 
     def __init__(self, slot: str, uid: int | None, layers: list[str], cgroup: str | None, landlock_abi: int,
-                 python: str) -> None:
+                 python: str, cpu_cores: float = 1.0) -> None:
         self.slot, self.uid, self.layers, self.landlock_abi, self.python = slot, uid, set(layers), landlock_abi, python
+        self.cpu_cores = cpu_cores
         self.cg = SlotCgroup(cgroup, slot) if cgroup and "cgroups" in self.layers else None
         self.root: str | None = None
         self.seccomp: isolation.SeccompProgram | None = None
@@ -157,10 +151,12 @@ class Worker:
     def setup(self) -> None:
         """Create the slot cgroup, enter the worker's namespaces, build the read-only root. Raises OSError."""
         if self.cg:
-            # W lives in its slot's cgroup, so each run process starts there (no per-run attach). W is
-            # never swept, and the run raises its own oom_score_adj so the OOM killer picks it, not W.
+            # W lives in its slot's pids and cpu cgroups, so each run process starts there; only the
+            # memory and CPU-time accounting cgroups are joined per run, by the run's processes alone
+            # (W's own buffers never count against a run). W itself is never swept.
             self.cg.create()
-            self.cg.attach()
+            self.cg.set_cpu_quota(self.cpu_cores)
+            self.cg.attach(only=("pids", "cpu"))
         if "namespaces" in self.layers:
             isolation.unshare(isolation.CLONE_NEWNS | isolation.CLONE_NEWNET | isolation.CLONE_NEWIPC
                               | isolation.CLONE_NEWUTS)
@@ -225,6 +221,8 @@ class Worker:
             pass
         if self.cg:
             self.cg.remove()
+        if self.root:
+            isolation.umount(self.root)  # in this namespace the root is a mount; on the host, plain dirs
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
@@ -243,7 +241,8 @@ class Run:
             w.cg.reset_counters()
         rundir = None if w.root else os.path.join(w.scratch, "run")
         if w.root:
-            pid = isolation.clone_process(isolation.CLONE_NEWPID | isolation.CLONE_NEWNS)
+            # a fresh IPC namespace too: System V shared memory or queues die with the run
+            pid = isolation.clone_process(isolation.CLONE_NEWPID | isolation.CLONE_NEWNS | isolation.CLONE_NEWIPC)
         else:
             pid = os.fork()
         if pid == 0:
@@ -265,7 +264,8 @@ class Run:
             header, parts = self._watch(pid, orjson.loads(limits), pipes)
             write_frame(1, header, parts)
             for p in parts:
-                p.zero()  # wipe what the run wrote before the buffers are freed
+                if isinstance(p, Capture):
+                    p.zero()  # wipe what the run wrote before the buffers are freed
             return True
         finally:
             if rundir:
@@ -301,7 +301,8 @@ class Run:
                 if k == "exit":
                     sel.unregister(pidfd)
                     exited, exit_at = True, time.monotonic()
-                    self._sweep(pid)  # R is gone; kill whatever escaped it so the pipes can close
+                    if not self.w.root:  # no pid namespace took the rest with R: kill it so the pipes close
+                        self._sweep(pid)
                     continue
                 try:
                     n = bufs[k].read_from(key.fd, sink)
@@ -321,23 +322,32 @@ class Run:
         for key in list(sel.get_map().values()):
             os.close(key.fd)
         sel.close()
-        sink[:] = bytes(len(sink))
+        ctypes.memset((ctypes.c_char * len(sink)).from_buffer(sink), 0, len(sink))
         self._sweep(pid)
         cg = self.w.cg
         oom = peak = cpu = None
         if cg:
             oom, peak, cpu = cg.oom_killed(), cg.peak_memory_bytes(), cg.cpu_seconds()
-        if cpu is None:
-            cpu = ru.ru_utime + ru.ru_stime
         if peak is None:
             peak = ru.ru_maxrss * 1024
         code = os.waitstatus_to_exitcode(status)
         parts = (bufs["stdout"], bufs["stderr"], bufs["results"], bufs["status"])
-        if code == SETUP_FAILED and bufs["status"].total:
+        note = bytes(bufs["status"].views()[0]) if bufs["status"].total else b""  # R's own words, never the code's
+        if code == SETUP_FAILED and note:
             return {"status": "infra_error", "error": "sandbox set-up failed", "wall_s": round(wall, 4)}, parts
+        if code == REQUEST_FAILED and note.startswith(b"request: "):
+            return {"status": "runtime_error", "exit_code": None, "message": note[9:].decode(errors="replace"),
+                    "wall_s": round(wall, 4), "cpu_s": 0.0, "peak_memory_bytes": None}, parts[:3] + ([],)
+        if code == 0 and note.startswith(b"wait:"):  # the program's own status and CPU time, relayed by R
+            raw_status, _, cpu_s = note[5:].partition(b":")
+            code = os.waitstatus_to_exitcode(int(raw_status))
+            if cpu is None and cpu_s:
+                cpu = float(cpu_s)
+        if cpu is None:
+            cpu = ru.ru_utime + ru.ru_stime
         truncated = {k: bufs[k].total > cap for k in ("stdout", "stderr")}
         status_name = _classify(code, timed_out, overflow, bool(oom), lim, cpu, bufs["stderr"],
-                                truncated["stdout"] or truncated["stderr"])
+                                truncated["stdout"] or truncated["stderr"], python=lim.get("language") == "python")
         header = {"status": status_name, "exit_code": code, "stdout_truncated": truncated["stdout"],
                   "stderr_truncated": truncated["stderr"], "wall_s": round(wall, 4), "cpu_s": round(cpu, 4),
                   "peak_memory_bytes": peak}
@@ -371,13 +381,13 @@ def _kill(pid: int) -> None:
 
 
 def _classify(code: int, timed_out: bool, overflow: bool, oom: bool, lim: dict, cpu: float, stderr: Capture,
-              truncated: bool) -> str:
+              truncated: bool, python: bool) -> str:
     if timed_out or code == -signal.SIGXCPU:
         return "timeout"
     if overflow:
         return "output_limit"
-    if oom or (code != 0 and stderr.contains(b"MemoryError")):
-        return "memory_limit"
+    if code != 0 and (oom or (python and stderr.last_line_startswith(b"MemoryError"))):
+        return "memory_limit"  # killed by the cgroup's OOM killer, or Python's own MemoryError ended it
     if code == -signal.SIGKILL and cpu >= lim["cpu_time_s"]:
         return "timeout"
     if truncated:
@@ -405,22 +415,43 @@ def _write_tree(root: str, files: dict[str, str], uid: int | None) -> None:
                 p = os.path.dirname(p)
 
 
+class RequestError(Exception):
+    """The request cannot run as given (its files do not fit the disk or memory limit...): the
+    caller's fault, reported as ``runtime_error``, never as an environment failure."""
+
+
 def _run(w: Worker, pipes: dict, rundir: str | None) -> None:
-    """Process R: read the request, isolate in order, run the code. Never returns."""
+    """Process R: fork the program's process C at once (before any request exists in memory), read
+    the request, set up the run, release C, then supervise it as the namespace's init. Never returns.
+
+    With namespaces R is pid 1 of the run's pid namespace, so the program (C) is an ordinary process
+    there: signals it sends itself, ``alarm`` and ``abort`` behave as usual. In test-harness mode R
+    runs the tests and C only the solution (see :func:`sandbox_service.harness.run_tests`).
+    """
     status_w = pipes["status"][1]
+    isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
+    for r, _ in pipes.values():
+        os.close(r)
+    ctl_r, ctl_w = os.pipe()  # R -> C: the go message, then (tests) calls
+    rsp_r, rsp_w = os.pipe()  # C -> R: (tests) the solution's answers
+    stdin_r, stdin_w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        _program(w, pipes, ctl_r, rsp_w, stdin_r, close=(ctl_w, rsp_r, stdin_w))  # never returns
+    for fd in (ctl_r, rsp_w, stdin_r):
+        os.close(fd)
     try:
-        isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
-        for r, wr in pipes.values():
-            os.close(r)
         req = read_frame(0)
         if req is None:
             os._exit(NO_MORE_REQUESTS)
         lim = req["limits"]
-        os.write(pipes["limits"][1], orjson.dumps({k: lim[k] for k in ("timeout_s", "cpu_time_s", "output_limit_bytes")}))
+        os.write(pipes["limits"][1], orjson.dumps({k: lim[k] for k in ("timeout_s", "cpu_time_s", "output_limit_bytes")}
+                                                  | {"language": req["language"]}))
         os.close(pipes["limits"][1])
-        if w.cg:  # R was born in the slot's cgroup (W lives there); W counts as one process
-            w.cg.set_limits(lim["memory_mb"] * 2**20, lim["max_processes"] + 1, lim["cpu_cores"])
-            with open("/proc/self/oom_score_adj", "w") as f:  # the OOM killer's first choice, before W
+        if w.cg:  # W (and so R and C) live in the slot's pids/cpu cgroups; the program joins its memory cgroup
+            w.cg.set_limits(lim["memory_mb"] * 2**20, lim["max_processes"] + 2)
+            w.cg.attach(child, only=("memory", "cpuacct"))  # its memory and CPU time, not R's or W's
+            with open(f"/proc/{child}/oom_score_adj", "w") as f:  # the OOM killer's first choice
                 f.write("1000")
         opts = f"size={lim['disk_mb']}m,mode=0700" + (f",uid={w.uid},gid={w.uid}" if w.uid is not None else "")
         if w.root:
@@ -436,69 +467,108 @@ def _run(w: Worker, pipes: dict, rundir: str | None) -> None:
                     os.chown(d, w.uid, w.uid)
             host_work = work
         source = SOURCE_NAMES[req["language"]]
-        _write_tree(host_work, {source: req["code"], **req.get("files", {})}, w.uid)
-        stdin_r, stdin_w = os.pipe()
-        if w.root:
+        try:
+            _write_tree(host_work, {source: req["code"], **req.get("files", {})}, w.uid)
+        except OSError as e:
+            raise RequestError(f"sandbox: the run's files do not fit (disk_mb={lim['disk_mb']}, "
+                               f"memory_mb={lim['memory_mb']}): {e}") from None
+        if w.root:  # C shares this mount namespace and root: pivot_root moves it too
             isolation.mount("proc", os.path.join(w.root, "proc"), "proc",
                             isolation.MS_NOSUID | isolation.MS_NODEV | isolation.MS_NOEXEC)
             isolation.pivot_root_here(w.root)
-        os.setsid()
         stdin = req.get("stdin", "").encode("utf-8")
         if len(stdin) <= 65536:  # fits in the pipe: no feeder process needed
             os.write(stdin_w, stdin)
-            os.close(stdin_w)
         elif os.fork() == 0:  # a feeder inside the namespace, so the code can read while it writes
-            os.close(stdin_r)
             try:
                 os.write(stdin_w, stdin)
             finally:
                 os._exit(0)
-        else:
-            os.close(stdin_w)
+        os.close(stdin_w)
         del stdin
+        tests = req.get("tests")
+        go = {"language": req["language"], "fresh": bool(req.get("fresh_interpreter")), "limits": lim,
+              "work": work, "tmp": tmp, "path": os.path.join(work, source), "serve": tests is not None}
+        send_frame(ctl_w, go)
+        # R keeps: stdout/stderr (tests print there), the result channel, the status pipe, and the link to C
         os.dup2(status_w, _STATUS_FD)
-        for target, fd in ((0, stdin_r), (1, pipes["stdout"][1]), (2, pipes["stderr"][1]),
+        os.dup2(ctl_w, _CTL_FD)
+        os.dup2(rsp_r, _RSP_FD)
+        devnull = os.open("/dev/null", os.O_RDONLY)
+        for target, fd in ((0, devnull), (1, pipes["stdout"][1]), (2, pipes["stderr"][1]),
                            (harness.RESULT_FD, pipes["results"][1])):
             os.dup2(fd, target, inheritable=True)
         os.closerange(harness.RESULT_FD + 1, _STATUS_FD)
-        os.closerange(_STATUS_FD + 1, 65536)
+        os.closerange(_RSP_FD + 1, 65536)
         status_w = _STATUS_FD
-        mem = lim["memory_mb"] * 2**20
-        as_limit = mem + (2**30 if w.cg else _vsize())  # with a cgroup, RSS is bounded there; AS stops huge mallocs
-        for res_, val in ((resource.RLIMIT_AS, as_limit), (resource.RLIMIT_CPU, int(lim["cpu_time_s"]) + 1),
-                          (resource.RLIMIT_FSIZE, lim["disk_mb"] * 2**20), (resource.RLIMIT_CORE, 0),
-                          (resource.RLIMIT_NOFILE, 256)):
-            resource.setrlimit(res_, (val, val))
-        if w.uid is not None:
-            resource.setrlimit(resource.RLIMIT_NPROC, (lim["max_processes"], lim["max_processes"]))
-            os.setgroups([])
-            os.setresgid(w.uid, w.uid, w.uid)
-            os.setresuid(w.uid, w.uid, w.uid)
-        isolation.set_no_new_privs()
-        if "landlock" in w.layers and w.landlock_abi:  # per run: the rules must name this run's fresh tmpfs
-            isolation.landlock_enforce(isolation.landlock_ruleset(["/"], [work, tmp], ["/dev/null"], w.landlock_abi))
-        if w.seccomp is not None:
-            w.seccomp.load()
-        os.chdir(work)
-        env = dict(SANDBOX_ENV, HOME=work, TMPDIR=tmp)
-        os.environ.clear()
-        os.environ.update(env)
-        os.close(status_w)
+        if tests is not None:  # R runs the tests' code: it gets every layer too (and is not dumpable)
+            _confine(w, lim, work, tmp, init=True)
+        else:  # R only waits, as root: the program (another uid) can neither signal nor trace it
+            isolation.set_no_new_privs()
+    except RequestError as e:
+        os.write(status_w, f"request: {e}".encode()[:STATUS_CAP])
+        os._exit(REQUEST_FAILED)
     except BaseException as e:  # noqa: BLE001 - reported to W as an infrastructure failure
         try:
             os.write(status_w, f"{type(e).__name__}: {e}".encode()[:STATUS_CAP])
         finally:
             os._exit(SETUP_FAILED)
-    path = os.path.join(work, source)
-    lang = req["language"]
+    if tests is not None:
+        harness.run_tests(tests, req.get("entry_point"), req["token"], _CTL_FD, _RSP_FD, child)
+    for fd in (0, 1, 2, harness.RESULT_FD, _CTL_FD, _RSP_FD):
+        try:
+            os.close(fd)  # the program's pipes must close when it ends, not when R does
+        except OSError:
+            pass
+    while True:  # init: reap everything until the program itself ends
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            os._exit(0)
+        if pid == child:  # its status, and the CPU time of every process R reaped (C's whole tree)
+            ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+            os.write(status_w, f"wait:{status}:{ru.ru_utime + ru.ru_stime:.6f}".encode())
+            os._exit(0)
+
+
+def _program(w: Worker, pipes: dict, ctl_r: int, rsp_w: int, stdin_r: int, close: tuple) -> None:
+    """Process C: wait for R's go (it never sees the request), confine itself, run the code. Never returns."""
     try:
-        if lang == "python":
-            if req.get("tests") is not None:
-                harness.run_tests(path, req["tests"], req.get("entry_point"), req["token"])
-            elif req.get("fresh_interpreter"):
+        isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
+        for fd in (*close, 0, 1, pipes["results"][1], pipes["status"][1], pipes["limits"][1]):
+            os.close(fd)  # the service's pipes, the result channel, R's ends
+        go = read_frame(ctl_r)
+        if go is None:  # no request (R ended)
+            os._exit(0)
+        lim, work, tmp = go["limits"], go["work"], go["tmp"]
+        os.setsid()
+        os.dup2(ctl_r, _CTL_FD)
+        os.dup2(rsp_w, _RSP_FD)
+        for target, fd in ((0, stdin_r), (1, pipes["stdout"][1]), (2, pipes["stderr"][1])):
+            os.dup2(fd, target, inheritable=True)
+        os.closerange(3, _CTL_FD)
+        os.closerange(_RSP_FD + 1, 65536)
+        if not go["serve"]:
+            os.close(_CTL_FD)
+            os.close(_RSP_FD)
+        os.chdir(work)
+        _confine(w, lim, work, tmp, init=False)
+        env = dict(SANDBOX_ENV, HOME=work, TMPDIR=tmp)
+        os.environ.clear()
+        os.environ.update(env)
+    except BaseException as e:  # noqa: BLE001 - R sees C end without a result
+        try:
+            os.write(2, f"sandbox: the program's process could not start: {type(e).__name__}: {e}\n".encode())
+        finally:
+            os._exit(SETUP_FAILED)
+    path, lang = go["path"], go["language"]
+    try:
+        if go["serve"]:
+            harness.serve_solution(path, _CTL_FD, _RSP_FD)
+        elif lang == "python":
+            if go["fresh"]:
                 os.execve(w.python, [w.python, "-I", "-B", path], env)
-            else:
-                harness.run_script(path)
+            harness.run_script(path)
         elif lang == "bash":
             os.execve("/bin/bash", ["bash", path], env)
         else:
@@ -510,6 +580,33 @@ def _run(w: Worker, pipes: dict, rundir: str | None) -> None:
         os.write(2, f"sandbox: cannot start {lang}: {e}\n".encode())
         os._exit(127)
     os._exit(0)
+
+
+def _confine(w: Worker, lim: dict, work: str, tmp: str, init: bool) -> None:
+    """The per-process layers, in order: rlimits, the slot uid, no_new_privs, Landlock, seccomp.
+
+    ``init`` (R): also not dumpable, so the program cannot open R's /proc entries (its file
+    descriptors, its memory) although both run as the slot uid.
+    """
+    mem = lim["memory_mb"] * 2**20
+    as_limit = mem + (2**30 if w.cg else _vsize())  # with a cgroup, RSS is bounded there; AS stops huge mallocs
+    for res_, val in ((resource.RLIMIT_AS, as_limit), (resource.RLIMIT_CPU, int(lim["cpu_time_s"]) + 1),
+                      (resource.RLIMIT_FSIZE, lim["disk_mb"] * 2**20), (resource.RLIMIT_CORE, 0),
+                      (resource.RLIMIT_NOFILE, 256)):
+        resource.setrlimit(res_, (val, val))
+    if w.uid is not None:
+        nproc = lim["max_processes"] + 1  # R counts too
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+        os.setgroups([])
+        os.setresgid(w.uid, w.uid, w.uid)
+        os.setresuid(w.uid, w.uid, w.uid)
+    if init:
+        isolation.prctl(isolation.PR_SET_DUMPABLE, 0)
+    isolation.set_no_new_privs()
+    if "landlock" in w.layers and w.landlock_abi:  # per run: the rules must name this run's fresh tmpfs
+        isolation.landlock_enforce(isolation.landlock_ruleset(["/"], [work, tmp], ["/dev/null"], w.landlock_abi))
+    if w.seccomp is not None:
+        w.seccomp.load()
 
 
 def _vsize() -> int:
@@ -526,9 +623,10 @@ def main() -> None:
     ap.add_argument("--cgroup", default=None)
     ap.add_argument("--landlock-abi", type=int, default=0)
     ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--cpu-cores", type=float, default=1.0)
     a = ap.parse_args()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the service stops workers by closing the pipe or SIGKILL
-    w = Worker(a.slot, a.uid, [x for x in a.layers.split(",") if x], a.cgroup, a.landlock_abi, a.python)
+    w = Worker(a.slot, a.uid, [x for x in a.layers.split(",") if x], a.cgroup, a.landlock_abi, a.python, a.cpu_cores)
     try:
         w.setup()
     except BaseException as e:  # noqa: BLE001

@@ -52,10 +52,10 @@ def test_human_eval_check_convention(client):
 
 @pytest.mark.parametrize("code,expected", [
     ("import sys\nsys.exit(0)\n" + SOLUTION, "error"),  # exits while loading: fails every test
-    ("import os\nos._exit(0)\n" + SOLUTION, "not_run"),  # exit code 0, nothing reported
+    ("import os\nos._exit(0)\n" + SOLUTION, "error"),  # its process ends while loading: every test errors
     (SOLUTION + "print('passed'); print('2 passed, 0 failed')\n", "passed"),  # printing does nothing...
     ("import os\nos.write(3, b'{\"token\": \"guess\", \"i\": 0, \"status\": \"passed\"}\\n')\n"
-     "def add(a, b):\n    return 0\n", "failed"),  # a forged line without the run's token is ignored
+     "def add(a, b):\n    return 0\n", "error"),  # the solution's process has no result channel at all
 ])
 def test_exit_codes_and_output_cannot_fake_a_pass(client, code, expected):
     res = run(client, code, tests=TESTS)
@@ -64,6 +64,31 @@ def test_exit_codes_and_output_cannot_fake_a_pass(client, code, expected):
         assert res["tests_passed"] == 2
     else:
         assert res["tests_passed"] == 0
+
+
+WRONG = "\ndef add(a, b):\n    return 0\n"
+CHECK = [{"name": "check", "code": "def check(candidate):\n    assert candidate(1, 2) == 3\n"},
+         {"name": "direct", "code": "assert add(2, 2) == 4"}]
+
+
+@pytest.mark.parametrize("trick", [
+    "import builtins\nbuiltins.exec = lambda *a, **k: None",  # the tests' exec, if they shared the interpreter
+    "import builtins\n_c = builtins.compile\nbuiltins.compile = lambda s, f, m, *a, **k: _c('pass', f, m)",
+    "import orjson\n_d = orjson.dumps\norjson.dumps = lambda o, *a, **k: _d(dict(o, status='passed')"
+    " if isinstance(o, dict) and 'status' in o else o, *a, **k)",
+    "class Any(int):\n    def __eq__(self, o):\n        return True\n    __hash__ = int.__hash__\n"
+    "def add(a, b):\n    return Any(0)",  # always-equal result
+    "import sys, gc\nfor o in gc.get_objects():\n    if isinstance(o, dict) and 'token' in o:\n"
+    "        import os, json\n        for i in range(2):\n"
+    "            os.write(3, (json.dumps({'token': o['token'], 'i': i, 'status': 'passed'}) + '\\n').encode())",
+    "import builtins\nbuiltins.AssertionError = type('Fake', (Exception,), {})",
+])
+def test_tampering_solutions_cannot_pass(client, trick):
+    """The break-it pass's tricks: none reaches the interpreter that runs the tests or the result channel."""
+    code = trick + WRONG if "def add" not in trick else trick
+    res = run(client, code, tests=CHECK, entry_point="add")
+    assert res["tests_passed"] == 0, res
+    assert all(t["status"] in ("failed", "error") for t in res["tests"]), res
 
 
 def test_sys_exit_inside_a_test_is_an_error_not_a_pass(client):

@@ -42,7 +42,7 @@ async def test_worker_killed_mid_run_is_retried_on_a_fresh_worker():
 
 
 async def test_persistent_failure_is_infra_error_and_opens_the_breaker():
-    cfg = SandboxConfig(max_concurrency=1, retries=2, breaker_window=3, breaker_failure_ratio=1.0,
+    cfg = SandboxConfig(max_concurrency=1, retries=2, breaker_window=1, breaker_failure_ratio=1.0,
                         breaker_cooldown_s=1.0)
     app = create_app(cfg)
     async with app.router.lifespan_context(app), \
@@ -67,15 +67,17 @@ async def test_persistent_failure_is_infra_error_and_opens_the_breaker():
         assert health.status_code == 503 and health.json()["breaker"]["state"] == "open"
         refused = await c.post("/v1/execute", json={"code": "print(1)"})
         assert refused.status_code == 503 and "circuit breaker" in refused.text
-        await asyncio.sleep(1.1)  # cool-down over: one trial run goes through and closes the breaker
-        for _ in range(50):  # the replacement worker may still be starting
-            if app.state.pool.idle.qsize():
+        await asyncio.sleep(1.1)  # cool-down over: the next request is still refused, and starts a canary trial
+        assert (await c.post("/v1/execute", json={"code": "print(1)"})).status_code == 503
+        for _ in range(100):
+            health = await c.get("/healthz")
+            if health.status_code == 200:
                 break
             await asyncio.sleep(0.1)
-        trial = (await c.post("/v1/execute", json={"code": "print(1)"})).json()
-        assert trial["status"] == "ok", trial
-        health = await c.get("/healthz")
-        assert health.status_code == 200 and health.json()["breaker"]["state"] == "closed"
+        assert health.status_code == 200 and health.json()["breaker"]["state"] == "closed", health.json()
+        assert health.json()["counters"]["breaker_trials"] == 1
+        res = (await c.post("/v1/execute", json={"code": "print(1)"})).json()
+        assert res["status"] == "ok", res
 
 
 def test_workers_are_recycled():
@@ -88,6 +90,45 @@ def test_workers_are_recycled():
         health = c.get("/healthz").json()
         assert health["counters"]["workers_recycled"] >= 2
         assert len(pids) >= 2 and health["counters"].get("environment_failures", 0) == 0
+
+
+def test_request_errors_are_not_environment_failures():
+    """Files that do not fit the run's disk are the caller's fault: runtime_error at once, no retry, and
+    the breaker does not move (the break-it pass opened it with such requests)."""
+    with TestClient(create_app(SandboxConfig(max_concurrency=1, breaker_window=2))) as c:
+        for _ in range(4):
+            res = c.post("/v1/execute", json={"code": "print(1)", "disk_mb": 1, "files": {"big": "a" * 2_000_000}}).json()
+            assert (res["status"], res["attempts"]) == ("runtime_error", 1), res
+            assert "do not fit" in res["stderr"]
+        health = c.get("/healthz").json()
+        assert health["breaker"]["state"] == "closed" and health["counters"].get("environment_failures", 0) == 0
+        r = c.post("/v1/execute", content=b"{}", headers={"content-type": "application/json",
+                                                          "content-length": str(2**31)})
+        assert r.status_code == 413
+
+
+def test_killed_workers_leave_no_cgroups_or_scratch_behind():
+    from pathlib import Path
+
+    from sandbox_service.cgroups import slot_cgroup_names
+    from sandbox_service.isolation import probe
+
+    caps = probe()
+    app = create_app(SandboxConfig(max_concurrency=1))
+    with TestClient(app) as c:
+        names = [w.name for w in app.state.pool.workers.values()]
+        _kill_workers(app)
+        res = c.post("/v1/execute", json={"code": "print(1)"}).json()
+        assert res["status"] == "ok"
+        import time as _t
+        _t.sleep(0.5)
+        live = {w.name for w in app.state.pool.workers.values()}
+        assert not (set(names) & live)
+        assert not (set(names) & set(slot_cgroup_names(caps.cgroup))) if caps.cgroup else True
+        assert not any(Path("/tmp").glob(f"flywheel-sbx-{names[0]}-*"))
+    own = str(os.getpid())
+    assert not [n for n in (slot_cgroup_names(caps.cgroup) if caps.cgroup else []) if n.startswith(own + "-")]
+    assert not list(Path("/tmp").glob(f"flywheel-sbx-{own}-*"))
 
 
 def test_missing_layer_refuses_to_start_unless_degraded_is_allowed():

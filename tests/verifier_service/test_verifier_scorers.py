@@ -261,9 +261,8 @@ async def test_unit_tests_human_eval_in_the_real_sandbox(sandbox_url):
         assert wrong.total == 0.0 and not wrong.infra_error and wrong.details["tests"][0]["status"] == "failed"
         early_exit = await s.score(spec, "    import sys; sys.exit(0)\n")  # exits 0 inside the tests
         assert early_exit.total == 0.0 and early_exit.details["tests"][0]["status"] == "error"
-        hard_exit = await s.score(spec, "    import os; os._exit(0)\n")  # status 0, no result reported
-        assert hard_exit.total == 0.0 and hard_exit.details["status"] == "ok", hard_exit
-        assert hard_exit.details["tests"][0]["status"] == "not_run"
+        hard_exit = await s.score(spec, "    import os; os._exit(0)\n")  # the solution's process ends mid-test
+        assert hard_exit.total == 0.0 and hard_exit.details["tests"][0]["status"] == "error", hard_exit
         loop = await s.score(spec.model_copy(update={"timeout_s": 1.0}), "    while True: pass\n")
         assert loop.total == 0.0 and not loop.infra_error and loop.details["status"] == "timeout"
         assert loop.details["tests"][0]["status"] == "timeout"
