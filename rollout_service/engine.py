@@ -48,6 +48,15 @@ class Engine(abc.ABC):
         Returns one list of samples per request, in request order.
         """
 
+    def weight_shapes(self) -> dict:
+        """Tensors shaped and typed like the weights a broadcast delivers (tied ones once); engines that
+        cannot take a broadcast return ``{}`` and always load the checkpoint."""
+        return {}
+
+    def load_weights_state(self, state: dict, version: int) -> None:
+        """Load broadcast weights ``state`` and set ``policy_version``; blocking. Raises ValueError."""
+        raise NotImplementedError
+
     @abc.abstractmethod
     def update_weights(self, update: WeightUpdate) -> None:
         """Load the weights of ``update`` and set ``policy_version`` to its version; blocking.

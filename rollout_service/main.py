@@ -91,13 +91,94 @@ class WeightWatcher:
                         log.warning("ignoring malformed weight record at offset %d: %s", msg.offset, e.reason)
 
 
-async def apply_newest(engine: Engine, watcher: WeightWatcher) -> None:
-    """Load the newest good version if it is newer than the engine's (in a worker thread)."""
+class BroadcastFollower:
+    """Transport ``distributed``: registers with the trainer's store and joins each version's broadcast
+    session as soon as the version is announced (while the engine keeps generating), keeping the newest
+    weights received for :func:`apply_newest` to load between batches. A failed session leaves the
+    version to the checkpoint file."""
+
+    def __init__(self, config: FlywheelConfig, engine: Engine, watcher: WeightWatcher) -> None:
+        import os
+        import socket
+
+        self.tc = config.trainer
+        self.engine, self.watcher = engine, watcher
+        self.id = f"rollout-{socket.gethostname()}-{os.getpid()}"
+        self.staged: tuple[int, dict] | None = None
+        self.receiving: int | None = None
+        self.received = asyncio.Event()
+        self.stats = {"weights/broadcast_received": 0.0, "weights/broadcast_failed": 0.0}
+        self._seen: set[int] = set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        from shared.weight_sync import WeightReceiver
+
+        receiver = None
+        while receiver is None and not stop.is_set():
+            try:  # the trainer may start after us
+                receiver = await asyncio.to_thread(WeightReceiver, self.tc.broadcast_host, self.tc.broadcast_port,
+                                                   self.id, self.tc.broadcast_timeout_s, self.tc.broadcast_backend)
+            except (RuntimeError, OSError) as e:
+                log.info("weight broadcast store not reachable yet (%s); retrying", e)
+                await asyncio.sleep(1.0)
+        if receiver is None:
+            return
+        like = await asyncio.to_thread(self.engine.weight_shapes)
+        log.info("registered for weight broadcasts as %s", self.id)
+        try:
+            while not stop.is_set():
+                todo = sorted(v for v, u in self.watcher.updates.items()
+                              if v not in self._seen and u.transport == "distributed" and self.id in u.receivers
+                              and v > self.engine.policy_version)
+                if not todo:
+                    await asyncio.sleep(0.02)
+                    continue
+                v = todo[-1]  # the newest; older sessions fail for want of us and fall back, harmlessly
+                self._seen.update(todo)
+                self.receiving = v
+                t0 = time.perf_counter()
+                try:
+                    state = await asyncio.to_thread(receiver.receive, v, like)
+                    self.staged = (v, state)
+                    self.stats["weights/broadcast_received"] += 1
+                    log.info("received policy version %d by broadcast in %.2f s", v, time.perf_counter() - t0)
+                except (RuntimeError, ValueError) as e:
+                    self.stats["weights/broadcast_failed"] += 1
+                    log.warning("broadcast of policy version %d failed (%s); loading it from the checkpoint", v, e)
+                finally:
+                    self.receiving = None
+                    self.received.set()
+        finally:
+            receiver.close()
+
+    async def take(self, version: int) -> dict | None:
+        """The broadcast weights of ``version``, waiting while its session is still running; None if it failed."""
+        while self.receiving == version:
+            self.received.clear()
+            try:
+                await asyncio.wait_for(self.received.wait(), self.tc.broadcast_timeout_s + 5)
+            except asyncio.TimeoutError:
+                break
+        if self.staged is not None and self.staged[0] == version:
+            state, self.staged = self.staged[1], None
+            return state
+        return None
+
+
+async def apply_newest(engine: Engine, watcher: WeightWatcher, follower: BroadcastFollower | None = None) -> None:
+    """Load the newest good version if it is newer than the engine's (in a worker thread): from its
+    broadcast when this engine received it, else from its checkpoint file."""
     while (upd := watcher.newest) is not None and upd.version > engine.policy_version:
         t0 = time.perf_counter()
         try:
-            await asyncio.to_thread(engine.update_weights, upd)
-            log.info("loaded policy version %d in %.2f s", upd.version, time.perf_counter() - t0)
+            state = await follower.take(upd.version) if follower is not None else None
+            if state is not None:
+                await asyncio.to_thread(engine.load_weights_state, state, upd.version)
+                how = "broadcast"
+            else:
+                await asyncio.to_thread(engine.update_weights, upd)
+                how = "checkpoint"
+            log.info("loaded policy version %d (%s) in %.2f s", upd.version, how, time.perf_counter() - t0)
             return
         except (OSError, ValueError, RuntimeError) as e:
             log.error("cannot load policy version %d, skipping it: %s", upd.version, e)
@@ -143,21 +224,30 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
     await requests.start()
     await weights.start()
     follower = asyncio.create_task(watcher.follow(weights, stop))
+    bfollow = BroadcastFollower(config, engine, watcher) if config.trainer.weight_transport == "distributed" else None
+    bcast = asyncio.create_task(bfollow.run(stop)) if bfollow is not None else None
     stats = {"rollout/samples": 0.0, "rollout/tokens": 0.0, "rollout/generate_s": 0.0}
+    first_token_version = engine.policy_version
     last_metrics = time.monotonic()
     try:
         while not stop.is_set():
             batch, reqs, headers = await _take_requests(requests, producer, cfg.max_batch_requests, cfg.max_batch_samples)
-            await apply_newest(engine, watcher)
+            await apply_newest(engine, watcher, bfollow)
             if reqs:
-                await _wait_for_version(engine, watcher, max(r.min_policy_version for r in reqs), stop, cfg.weight_poll_s)
+                await _wait_for_version(engine, watcher, max(r.min_policy_version for r in reqs), stop, cfg.weight_poll_s,
+                                        bfollow)
                 if stop.is_set():
                     break  # uncommitted: another replica (or this one after restart) takes them
+                if engine.policy_version != first_token_version and engine.policy_version in watcher.updates:
+                    # announced → first token generated with it (the batch starts now)
+                    stats["rollout/publish_to_first_token_s"] = time.time() - watcher.updates[engine.policy_version].created_at
+                    first_token_version = engine.policy_version
                 await _generate_and_send(config, engine, tok, reqs, headers, producer, stats)
             await kafka.commit_batch(requests, batch)
             if time.monotonic() - last_metrics > 10 and stats["rollout/samples"]:
                 vals = dict(stats, **{"rollout/tokens_per_s": stats["rollout/tokens"] / max(stats["rollout/generate_s"], 1e-9),
-                                      "rollout/policy_version": float(engine.policy_version)})
+                                      "rollout/policy_version": float(engine.policy_version)},
+                            **(bfollow.stats if bfollow is not None else {}))
                 await kafka.send(producer, topics.METRICS, Metrics(source="rollout", values=vals), "rollout")
                 last_metrics = time.monotonic()
     except asyncio.CancelledError:
@@ -166,6 +256,9 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
         stop.set()
         follower.cancel()
         await asyncio.gather(follower, return_exceptions=True)
+        if bcast is not None:
+            bcast.cancel()
+            await asyncio.gather(bcast, return_exceptions=True)
         for c in (requests, weights, producer):
             try:
                 await asyncio.wait_for(c.stop(), 10)
@@ -207,7 +300,7 @@ async def _take_requests(consumer, producer, max_requests: int, max_samples: int
 
 
 async def _wait_for_version(engine: Engine, watcher: WeightWatcher, version: int, stop: asyncio.Event,
-                            poll_s: float) -> None:
+                            poll_s: float, bfollow: BroadcastFollower | None = None) -> None:
     while engine.policy_version < version and not stop.is_set():
         log.info("waiting for policy version %d (have %d)", version, engine.policy_version)
         watcher.changed.clear()
@@ -215,7 +308,7 @@ async def _wait_for_version(engine: Engine, watcher: WeightWatcher, version: int
             await asyncio.wait_for(watcher.changed.wait(), poll_s * 10)
         except asyncio.TimeoutError:
             pass
-        await apply_newest(engine, watcher)
+        await apply_newest(engine, watcher, bfollow)
 
 
 async def _generate_and_send(config, engine: Engine, tok, reqs: list[RolloutRequest], headers: list, producer,

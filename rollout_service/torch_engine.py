@@ -9,7 +9,7 @@ from collections import defaultdict
 import torch
 
 from rollout_service.engine import Engine, GenerationRequest, Sample
-from shared.checkpoint import load_weights
+from shared.checkpoint import load_weights, load_weights_state, snapshot_weights
 from shared.schemas import VersionSpan, WeightUpdate
 
 log = logging.getLogger("rollout.torch")
@@ -47,6 +47,14 @@ class TorchEngine(Engine):
         with self._lock:
             load_weights(self.model, update)
             self.policy_version = update.version
+
+    def weight_shapes(self) -> dict:
+        return {k: torch.empty(v.shape, dtype=v.dtype) for k, v in snapshot_weights(self.model).items()}
+
+    def load_weights_state(self, state: dict, version: int) -> None:
+        with self._lock:
+            load_weights_state(self.model, state, f"broadcast v{version}")
+            self.policy_version = version
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
         out: list[list[Sample] | None] = [None] * len(requests)

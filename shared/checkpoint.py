@@ -164,11 +164,19 @@ def load_weights_file(model: torch.nn.Module, path: str | os.PathLike) -> None:
     Raises:
         ValueError: a tensor is missing (other than one tied to a loaded tensor) or unexpected.
     """
-    state = load_file(str(path))
+    load_weights_state(model, load_file(str(path)), str(path))
+
+
+def load_weights_state(model: torch.nn.Module, state: dict[str, torch.Tensor], origin: str = "weights") -> None:
+    """Load ``state`` (tied tensors stored once, as :func:`snapshot_weights` makes it) into ``model`` in place.
+
+    Raises:
+        ValueError: a tensor is missing (other than one tied to a loaded tensor) or unexpected.
+    """
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected:
-        raise ValueError(f"{path}: unexpected tensors {unexpected[:5]}")
+        raise ValueError(f"{origin}: unexpected tensors {unexpected[:5]}")
     loaded = {model.state_dict()[k].untyped_storage().data_ptr() for k in state}
     untied = [k for k in missing if model.state_dict()[k].untyped_storage().data_ptr() not in loaded]
     if untied:
-        raise ValueError(f"{path}: missing tensors {untied[:5]}")
+        raise ValueError(f"{origin}: missing tensors {untied[:5]}")

@@ -76,7 +76,7 @@ class LocalSystem:
         if bootstrap_servers is None:
             broker = EmbeddedBroker.start(log_path=run_dir / "logs" / "broker.log")
             bootstrap_servers = broker.bootstrap_servers
-        sandbox_port, scheduler_port = free_port(), free_port()
+        sandbox_port, scheduler_port, broadcast_port = free_port(), free_port(), free_port()
         env = dict(os.environ)
         env.update(overrides or {})
         env.update({  # what this system instance decides wins over the overrides
@@ -84,6 +84,7 @@ class LocalSystem:
             "FLYWHEEL_RUN__DIR": str(run_dir),
             "FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS": bootstrap_servers,
             "FLYWHEEL_SANDBOX__PORT": str(sandbox_port),
+            "FLYWHEEL_TRAINER__BROADCAST_PORT": str(broadcast_port),
             "FLYWHEEL_SCHEDULER__PORT": str(scheduler_port),
             "FLYWHEEL_VERIFIER__SANDBOX_URL": f"http://127.0.0.1:{sandbox_port}",
             "PYTHONUNBUFFERED": "1",

@@ -407,6 +407,9 @@ class WeightUpdate(Record):
     manifest: list[TensorInfo]
     checksum: str
     """``sha256:<hex>`` of the safetensors file."""
+    receivers: list[str] = Field(default_factory=list, max_length=4096)
+    """Transport ``distributed``: the rollout engines in this version's broadcast session (the others,
+    and any whose session fails, load the safetensors file)."""
     created_at: float = Field(default_factory=time.time)
 
 

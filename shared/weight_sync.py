@@ -114,18 +114,26 @@ class WeightBroadcaster:
                 live.append(rid)
         return sorted(live)
 
+    def prepare(self, version: int, receivers: list[str]) -> None:
+        """Write session ``v<version>``'s members (ranks 1..n in the given order) and size to the store;
+        call before announcing the version, so a receiver that sees the announcement finds its rank."""
+        session = f"v{version}/"
+        for i, rid in enumerate(receivers):
+            self.store.set(f"{session}rank/{rid}", str(i + 1))
+        self.store.set(f"{session}world", str(1 + len(receivers)))
+
     def broadcast(self, version: int, tensors: dict[str, torch.Tensor], receivers: list[str]) -> dict:
         """Send ``tensors`` to ``receivers`` as session ``v<version>``; never raises for a receiver's failure.
 
-        ``receivers`` get ranks 1..n in the given order (the control plane tells them theirs).
+        ``receivers`` get ranks 1..n in the given order (:meth:`prepare` is called if it was not).
         Returns ``{"ok", "seconds", "bytes", "receivers", "error"}``.
         """
         t0 = time.perf_counter()
         session = f"v{version}/"
         total = 0
         try:
-            for i, rid in enumerate(receivers):
-                self.store.set(f"{session}rank/{rid}", str(i + 1))
+            if not self.store.check([f"{session}world"]):
+                self.prepare(version, receivers)
             pg = _group(self.store, session, 0, 1 + len(receivers), self.timeout_s, self.backend)
             for k, b in enumerate(plan_buckets(tensors, self.bucket_bytes)):
                 flat = torch.cat([tensors[n].detach().reshape(-1) for n in b.names])
@@ -178,7 +186,8 @@ class WeightReceiver:
             except RuntimeError:
                 return  # the trainer's store is gone
 
-    def receive(self, version: int, like: dict[str, torch.Tensor], world_size: int) -> dict[str, torch.Tensor]:
+    def receive(self, version: int, like: dict[str, torch.Tensor], world_size: int | None = None
+                ) -> dict[str, torch.Tensor]:
         """Join session ``v<version>`` and return fresh tensors shaped and typed like ``like``.
 
         Raises:
@@ -187,6 +196,8 @@ class WeightReceiver:
         """
         session = f"v{version}/"
         rank = int(self.store.get(f"{session}rank/{self.id}"))
+        if world_size is None:
+            world_size = int(self.store.get(f"{session}world"))
         pg = _group(self.store, session, rank, world_size, self.timeout_s, self.backend)
         out: dict[str, torch.Tensor] = {}
         for k, b in enumerate(plan_buckets(like, self.bucket_bytes)):

@@ -68,6 +68,18 @@ class TrainerConfig(BaseModel):
     """Run the transformer body under CPU/GPU bf16 autocast (float32 master weights); the output layer and
     log-softmax stay float32 so importance ratios against the behaviour log-probs stay accurate.
     About 1.7x faster on a CPU core for SmolLM2 (benchmarks measured on 2 cores)."""
+    weight_transport: Literal["checkpoint", "distributed"] = "checkpoint"
+    """How rollout engines get a new version: ``checkpoint`` (they load the safetensors file) or
+    ``distributed`` (a torch.distributed broadcast to the engines registered with the trainer, the file
+    staying the fallback; ``shared/weight_sync.py``)."""
+    broadcast_host: str = "127.0.0.1"
+    """Where the trainer's TCPStore for the broadcast listens (``distributed``)."""
+    broadcast_port: int = Field(29650, ge=1, le=65535)
+    """Its port (the launcher picks a free one in embedded mode)."""
+    broadcast_backend: Literal["gloo", "nccl"] = "gloo"
+    """gloo for CPU weights, nccl for CUDA."""
+    broadcast_timeout_s: float = Field(10.0, gt=0, le=3600)
+    """Bound on a broadcast session (joining, and each bucket); past it the version falls back to the file."""
     keep_checkpoints: int = Field(3, ge=1, le=1000)
     """Weight versions kept in the checkpoint store; older ones are deleted."""
     seed: int = 0

@@ -79,6 +79,13 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
     await kafka.ensure_topics(config.kafka)
     producer = kafka.make_producer(config.kafka, "trainer")
     consumer = kafka.make_consumer(config.kafka, topics.SCORED, group_id="trainer", client_id="trainer")
+    broadcaster = None
+    if cfg.weight_transport == "distributed":
+        from shared.weight_sync import WeightBroadcaster
+
+        broadcaster = await asyncio.to_thread(WeightBroadcaster, cfg.broadcast_host, cfg.broadcast_port,
+                                              cfg.broadcast_backend, cfg.broadcast_timeout_s)
+        log.info("weight broadcast store on %s:%d", cfg.broadcast_host, cfg.broadcast_port)
     await producer.start()
     latest = store.newest_published()
     if latest is not None:  # re-announce: the broker may have lost the record (or it was never sent)
@@ -97,7 +104,8 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
                 buffer.drop_stale(trainer.version)
                 if len(buffer.ready) >= cfg.batch_groups:
                     wait_s = time.perf_counter() - last_step_end
-                    publishing = await _step(config, trainer, store, buffer, producer, wait_s, publishing)
+                    publishing = await _step(config, trainer, store, buffer, producer, wait_s, publishing,
+                                             broadcaster)
                     last_step_end = time.perf_counter()
             if publishing is not None and publishing.done():
                 publishing.result()  # surface a failed save or send
@@ -117,7 +125,7 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
 
 
 async def _step(config: FlywheelConfig, trainer: PolicyTrainer, store: CheckpointStore, buffer: GroupBuffer,
-                producer, wait_s: float, previous: asyncio.Task | None) -> asyncio.Task:
+                producer, wait_s: float, previous: asyncio.Task | None, broadcaster=None) -> asyncio.Task:
     """Train one step now; return the task that makes it durable and announces it (after ``previous``)."""
     cfg = config.trainer
     # with oversampling (scheduler.oversample > 1) the scheduler issues more groups than a step takes:
@@ -133,18 +141,28 @@ async def _step(config: FlywheelConfig, trainer: PolicyTrainer, store: Checkpoin
         metrics[f"train/{k}_total"] = float(buffer.counters[k])
     metrics["train/trained_groups_total"] = float(buffer.counters["trained_groups"] + len(groups))
     return asyncio.create_task(_publish(config, store, buffer, producer, groups, weights, state, metrics,
-                                        trainer.version, trainer.step, previous))
+                                        trainer.version, trainer.step, previous, broadcaster))
 
 
 async def _publish(config: FlywheelConfig, store: CheckpointStore, buffer: GroupBuffer, producer, groups,
-                   weights, state, metrics: dict, version: int, step: int, previous: asyncio.Task | None) -> None:
+                   weights, state, metrics: dict, version: int, step: int, previous: asyncio.Task | None,
+                   broadcaster=None) -> None:
     if previous is not None:
         await previous  # versions become durable and are announced in order
     t0 = time.perf_counter()
     ids = [g.group_id for g in groups]
     update = await asyncio.to_thread(store.save_weights, weights, config.model.name, version, step, ids)
+    receivers = await asyncio.to_thread(broadcaster.live_receivers) if broadcaster else []
+    if receivers:  # the file stays the fallback for anyone outside the session or whose session fails
+        await asyncio.to_thread(broadcaster.prepare, version, receivers)
+        update = update.model_copy(update={"transport": "distributed", "receivers": receivers})
     await (await kafka.send(producer, topics.WEIGHTS, update, update.model))
     metrics["time/publish_s"] = time.perf_counter() - t0  # step end → version announced, less the snapshot
+    if receivers:
+        res = await asyncio.to_thread(broadcaster.broadcast, version, weights, receivers)
+        metrics["weights/broadcast_ok"] = float(res["ok"])
+        metrics["weights/broadcast_receivers"] = float(len(receivers))
+        metrics["time/broadcast_s"] = res["seconds"]
     await asyncio.to_thread(store.save_trainer_state, update, state)
     metrics["time/checkpoint_s"] = time.perf_counter() - t0
     buffer.mark_trained(groups)  # their offsets may be committed only now

@@ -126,3 +126,20 @@ def test_up_submit_status_supervise_down(tiny, tmp_path):
                 up.wait(10)
         for pid in _procs_under(runs):  # whatever a failure left behind, stopped by pid
             os.kill(pid, signal.SIGKILL)
+
+
+def test_weights_travel_by_broadcast_and_the_file_stays_the_fallback(tiny, tmp_path):
+    """trainer.weight_transport=distributed: each version reaches the rollout engine over gloo (trainer
+    metrics say so, the rollout log says which way it loaded), and training still works."""
+    report = tmp_path / "report.json"
+    _flywheel("run", str(ROOT / "examples/toy.yaml"), "--set", f"model.name={tiny}", "--set",
+              f"run.dir={tmp_path / 'runs'}", "--set", "trainer.weight_transport=distributed", "--set",
+              "trainer.max_steps=8", "--report", str(report), "--timeout", "300", cwd=tmp_path)
+    rep = json.loads(report.read_text())
+    hist = rep["history"]
+    assert len(hist) == 8
+    sent = [h.get("weights/broadcast_ok") for h in hist]
+    assert sum(1 for x in sent if x == 1.0) >= 6, sent  # the first version may go out before the engine registered
+    log = (Path(rep["run_dir"]) / "logs" / "rollout.log").read_text()
+    assert "(broadcast)" in log and "registered for weight broadcasts" in log
+    assert rep["eval"]["after"]["policy_version"] == 8
