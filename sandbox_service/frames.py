@@ -8,12 +8,18 @@ import struct
 import orjson
 
 
-def read_frame(fd: int) -> dict | None:
-    """Read one frame from ``fd``; None at EOF before it. Raises ValueError on a torn frame."""
+def read_frame(fd: int, max_bytes: int | None = None) -> dict | None:
+    """Read one frame from ``fd``; None at EOF before it.
+
+    Raises:
+        ValueError: a torn frame, or one longer than ``max_bytes``.
+    """
     head = _read_exact(fd, 4)
     if head is None:
         return None
     (n,) = struct.unpack(">I", head)
+    if max_bytes is not None and n > max_bytes:
+        raise ValueError(f"frame of {n} bytes is larger than {max_bytes}")
     body = _read_exact(fd, n)
     if body is None:
         raise ValueError("EOF inside a frame")

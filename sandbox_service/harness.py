@@ -24,6 +24,7 @@ import atexit
 import base64
 import builtins
 import io
+import linecache
 import math
 import os
 import signal
@@ -40,6 +41,8 @@ RESULT_FD = 3
 """File descriptor of the private result channel inside the sandbox (R only)."""
 MESSAGE_CHARS = 2000
 """Longest failure message kept per test (characters)."""
+MAX_ANSWER_BYTES = 16 * 1024 * 1024
+"""Largest frame the tests accept from the solution's process (an answer, or its description)."""
 MAX_DEPTH = 64
 """Deepest nesting of a value crossing between the tests and the solution."""
 
@@ -272,6 +275,14 @@ def run_tests(tests: list[dict], entry_point: str | None, token: str, req_fd: in
     solution failing to load or its process dying, which fails every later test).
     """
     _fresh_std_streams()
+    # Only the interpreter's own (read-only) library directories: the service's PYTHONPATH may name a
+    # host path that, inside the sandbox's root, lies in the run's writable /work, where the solution
+    # could plant a module for a test to import. Source lines are never read back either (linecache).
+    prefixes = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    sys.path[:] = [p for p in sys.path if p.startswith(prefixes) and not p.startswith(("/work", "/tmp"))]
+    sys.path_importer_cache.clear()
+    linecache.clearcache()
+    linecache.updatecache = lambda *a, **k: []  # noqa: E731 - tracebacks then show no source lines
 
     def report(**rec) -> None:
         rec["token"] = token
@@ -288,7 +299,7 @@ def run_tests(tests: list[dict], entry_point: str | None, token: str, req_fd: in
             raise SolutionDied(dead[0])
         try:
             send_frame(req_fd, {"call": name, "args": encode(list(args)), "kwargs": encode(dict(kwargs))})
-            reply = read_frame(rsp_fd)
+            reply = read_frame(rsp_fd, max_bytes=MAX_ANSWER_BYTES)
         except (OSError, ValueError) as e:
             reply = None
             dead.append(f"the solution's process broke the link: {e}")
@@ -310,7 +321,7 @@ def run_tests(tests: list[dict], entry_point: str | None, token: str, req_fd: in
 
     load_error = None
     try:
-        info = read_frame(rsp_fd)
+        info = read_frame(rsp_fd, max_bytes=MAX_ANSWER_BYTES)
     except (OSError, ValueError) as e:
         info = None
         load_error = f"the solution's process broke the link: {e}"
@@ -320,11 +331,18 @@ def run_tests(tests: list[dict], entry_point: str | None, token: str, req_fd: in
     elif not info.get("loaded"):
         load_error = f"the solution failed to load: {info.get('error')}"
     else:
+        # The solution's names, but never one that would shadow a built-in the tests rely on (a solution
+        # defining ``abs`` or ``len`` must not change what ``abs(candidate(x) - y) < 1e-6`` means)
+        # nor a dunder; the entry point is always there.
+        def allowed(k) -> bool:
+            return (isinstance(k, str) and k.isidentifier() and not k.startswith("__")
+                    and (k == entry_point or not hasattr(builtins, k)))
+
         try:
-            base.update({k: decode(v) for k, v in info.get("values", {}).items()})
-        except BoundaryError as e:
+            base.update({k: decode(v) for k, v in dict(info.get("values", {})).items() if allowed(k)})
+        except (BoundaryError, TypeError, ValueError) as e:
             load_error = str(e)
-        base.update({k: proxy(k) for k in info.get("callables", [])})
+        base.update({k: proxy(k) for k in list(info.get("callables", [])) if allowed(k)})
         if entry_point and entry_point not in base:
             load_error = f"the solution defines no {entry_point!r}"
     for i, t in enumerate(tests):
@@ -350,13 +368,13 @@ def run_tests(tests: list[dict], entry_point: str | None, token: str, req_fd: in
 
 
 def _failed_line(test_code: str) -> str:
-    """``AssertionError at line N: <the assert>`` for the innermost frame of the current exception."""
-    tb = traceback.extract_tb(sys.exc_info()[2])
-    if not tb:
+    """``AssertionError at <test name> line N: <the assert>``, from the innermost frame of the test's own
+    code (the line comes from the test's source, never from a file)."""
+    frames = [(f.f_code.co_filename, lineno) for f, lineno in traceback.walk_tb(sys.exc_info()[2])]
+    mine = [(name, n) for name, n in frames if name.startswith("<test ")]
+    if not mine:
         return "AssertionError"
-    frame = tb[-1]
-    line = frame.line
-    if not line and frame.filename.startswith("<test ") and frame.lineno:
-        lines = test_code.splitlines()
-        line = lines[frame.lineno - 1].strip() if frame.lineno <= len(lines) else ""
-    return f"AssertionError at {frame.filename} line {frame.lineno}: {line}"
+    name, lineno = mine[-1]
+    lines = test_code.splitlines()
+    line = lines[lineno - 1].strip() if 0 < lineno <= len(lines) else ""
+    return f"AssertionError at {name} line {lineno}: {line}"

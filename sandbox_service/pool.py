@@ -299,6 +299,7 @@ class Pool:
         for e in errors:
             log.error("sandbox worker failed to start: %s", e)
             self._replace_later(None)
+        self._spawn_task(self._breaker_loop())
         if self.cfg.health_check_interval_s > 0:
             t = asyncio.create_task(self._health_loop())
             self._tasks.add(t)
@@ -380,8 +381,6 @@ class Pool:
         if self.idle.empty() and self.waiting >= self.cfg.max_queued:
             raise Overloaded(f"sandbox overloaded: {self.waiting} executions already waiting")
         if not self.breaker.allow():
-            if self.breaker.trial_due():
-                self._spawn_task(self._breaker_trial())
             raise Overloaded("sandbox circuit breaker is open: the execution environment is failing")
 
     async def execute(self, req: ExecuteRequest, run_id: str | None = None) -> ExecuteResult:
@@ -454,6 +453,13 @@ class Pool:
             return True
         self._replace_later(w)
         return False
+
+    async def _breaker_loop(self) -> None:
+        """Run the breaker's trial when its cool-down ends, whether or not requests arrive."""
+        while not self.closing:
+            await asyncio.sleep(min(0.5, self.cfg.breaker_cooldown_s))
+            if self.breaker.trial_due():
+                await self._breaker_trial()
 
     async def _breaker_trial(self) -> None:
         ok = await self._canary()

@@ -59,7 +59,7 @@ NO_MORE_REQUESTS = 3
 SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1"}
 SOURCE_NAMES = {"python": "main.py", "bash": "main.sh", "c": "main.c", "cpp": "main.cpp"}
-_STATUS_FD, _CTL_FD, _RSP_FD = 100, 101, 102
+_STATUS_FD, _CTL_FD, _RSP_FD, _STDIN_FD = 100, 101, 102, 103
 """Where R keeps its status pipe (set-up errors, then the program's wait status) and where R and C keep
 their link (the go message; in test-harness mode, calls into the solution and its answers)."""
 REQUEST_FAILED = 122
@@ -450,9 +450,10 @@ def _run(w: Worker, pipes: dict, rundir: str | None) -> None:
         os.close(pipes["limits"][1])
         if w.cg:  # W (and so R and C) live in the slot's pids/cpu cgroups; the program joins its memory cgroup
             w.cg.set_limits(lim["memory_mb"] * 2**20, lim["max_processes"] + 2)
-            w.cg.attach(child, only=("memory", "cpuacct"))  # its memory and CPU time, not R's or W's
+            w.cg.attach(child, only=("memory", "cpuacct"))  # its memory and CPU time, not W's
             with open(f"/proc/{child}/oom_score_adj", "w") as f:  # the OOM killer's first choice
                 f.write("1000")
+            w.cg.attach(0, only=("memory",))  # R too: the files it writes and what it reads from C count
         opts = f"size={lim['disk_mb']}m,mode=0700" + (f",uid={w.uid},gid={w.uid}" if w.uid is not None else "")
         if w.root:
             for d in ("work", "tmp"):
@@ -476,16 +477,12 @@ def _run(w: Worker, pipes: dict, rundir: str | None) -> None:
             isolation.mount("proc", os.path.join(w.root, "proc"), "proc",
                             isolation.MS_NOSUID | isolation.MS_NODEV | isolation.MS_NOEXEC)
             isolation.pivot_root_here(w.root)
-        stdin = req.get("stdin", "").encode("utf-8")
-        if len(stdin) <= 65536:  # fits in the pipe: no feeder process needed
-            os.write(stdin_w, stdin)
-        elif os.fork() == 0:  # a feeder inside the namespace, so the code can read while it writes
-            try:
-                os.write(stdin_w, stdin)
-            finally:
-                os._exit(0)
-        os.close(stdin_w)
-        del stdin
+        stdin = memoryview(req.get("stdin", "").encode("utf-8"))
+        os.set_blocking(stdin_w, False)
+        try:
+            stdin = stdin[os.write(stdin_w, stdin):]  # what fits in the pipe now; R feeds the rest as init
+        except (BlockingIOError, BrokenPipeError):
+            pass
         tests = req.get("tests")
         go = {"language": req["language"], "fresh": bool(req.get("fresh_interpreter")), "limits": lim,
               "work": work, "tmp": tmp, "path": os.path.join(work, source), "serve": tests is not None}
@@ -494,12 +491,13 @@ def _run(w: Worker, pipes: dict, rundir: str | None) -> None:
         os.dup2(status_w, _STATUS_FD)
         os.dup2(ctl_w, _CTL_FD)
         os.dup2(rsp_r, _RSP_FD)
+        os.dup2(stdin_w, _STDIN_FD)
         devnull = os.open("/dev/null", os.O_RDONLY)
         for target, fd in ((0, devnull), (1, pipes["stdout"][1]), (2, pipes["stderr"][1]),
                            (harness.RESULT_FD, pipes["results"][1])):
             os.dup2(fd, target, inheritable=True)
         os.closerange(harness.RESULT_FD + 1, _STATUS_FD)
-        os.closerange(_RSP_FD + 1, 65536)
+        os.closerange(_STDIN_FD + 1, 65536)
         status_w = _STATUS_FD
         if tests is not None:  # R runs the tests' code: it gets every layer too (and is not dumpable)
             _confine(w, lim, work, tmp, init=True)
@@ -513,9 +511,12 @@ def _run(w: Worker, pipes: dict, rundir: str | None) -> None:
             os.write(status_w, f"{type(e).__name__}: {e}".encode()[:STATUS_CAP])
         finally:
             os._exit(SETUP_FAILED)
-    if tests is not None:
+    if tests is None:
+        _feed(stdin, child)  # while the program runs; it returns at once when the pipe took it all
+    else:
+        os.close(_STDIN_FD)
         harness.run_tests(tests, req.get("entry_point"), req["token"], _CTL_FD, _RSP_FD, child)
-    for fd in (0, 1, 2, harness.RESULT_FD, _CTL_FD, _RSP_FD):
+    for fd in (0, 1, 2, harness.RESULT_FD, _CTL_FD, _RSP_FD, _STDIN_FD):
         try:
             os.close(fd)  # the program's pipes must close when it ends, not when R does
         except OSError:
@@ -529,6 +530,23 @@ def _run(w: Worker, pipes: dict, rundir: str | None) -> None:
             ru = resource.getrusage(resource.RUSAGE_CHILDREN)
             os.write(status_w, f"wait:{status}:{ru.ru_utime + ru.ru_stime:.6f}".encode())
             os._exit(0)
+
+
+def _feed(data: memoryview, child: int) -> None:
+    """R: write the rest of stdin to the program as it reads, without another process (which would
+    count against the run's process limit); stop when it is all written or the program closed its end
+    (or ended). A program that never reads keeps R here until the deadline, like any hung run."""
+    import select
+
+    while data:
+        try:
+            _, writable, _ = select.select([], [_STDIN_FD], [], 0.05)
+            if writable:
+                data = data[os.write(_STDIN_FD, data[:65536]):]
+        except BlockingIOError:
+            continue
+        except BrokenPipeError:  # the program closed stdin or ended
+            break
 
 
 def _program(w: Worker, pipes: dict, ctl_r: int, rsp_w: int, stdin_r: int, close: tuple) -> None:

@@ -91,6 +91,52 @@ def test_tampering_solutions_cannot_pass(client, trick):
     assert all(t["status"] in ("failed", "error") for t in res["tests"]), res
 
 
+PLANT = (
+    "import os, sys\n"
+    "payload = (\"import sys\\n\"\n"
+    "    \"f = sys._getframe()\\n\"\n"
+    "    \"while f and 'report' not in f.f_locals:\\n    f = f.f_back\\n\"\n"
+    "    \"if f:\\n    for j in range(len(f.f_locals['tests'])):\\n\"\n"
+    "    \"        f.f_locals['report'](i=j, status='passed', message='', seconds=0.0)\\n\")\n"
+    "for d in {'/work', '/work/main', '/tmp', *(p for p in sys.path if p.startswith(('/work', '/tmp')))}:\n"
+    "    try:\n"
+    "        os.makedirs(d, exist_ok=True)\n"
+    "        for mod in ('cmath', 'unittest', 'numpy', 'pprint'):\n"
+    "            open(os.path.join(d, mod + '.py'), 'w').write(payload)\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "def add(a, b):\n"
+    "    return 0\n"
+)
+
+
+def test_modules_planted_by_the_solution_are_not_imported_by_the_tests(client):
+    """The second break-it pass: a module the solution wrote under /work was imported by a test's
+    ``import`` inside the harness process and reported every test passed."""
+    tests = [{"name": "t1", "code": "import cmath\nassert add(1, 2) == 3"},
+             {"name": "t2", "code": "import pprint\nassert add(2, 2) == 4"}]
+    res = run(client, PLANT, tests=tests)
+    assert res["tests_passed"] == 0, res
+    assert statuses(res) == ["failed", "failed"], res
+
+
+def test_solution_names_never_shadow_builtins_in_the_tests(client):
+    code = ("def truncate_number(n):\n    return 123.0\ndef abs(x):\n    return 0\ndef sorted(x, *a, **k):\n"
+            "    return []\ndef len(x):\n    return 0\ndef set(*x):\n    return 0\n")
+    tests = [{"name": "abs", "code": "def check(candidate):\n    assert abs(candidate(3.5) - 0.5) < 1e-6"},
+             {"name": "sorted", "code": "def check(candidate):\n    assert sorted([candidate(3.5)]) == [0.5]"},
+             {"name": "len", "code": "def check(candidate):\n    assert len(str(candidate(3.5))) == 3"}]
+    res = run(client, code, tests=tests, entry_point="truncate_number")
+    assert res["tests_passed"] == 0 and statuses(res) == ["failed", "failed", "failed"], res
+
+
+def test_an_oversized_answer_from_the_solution_is_an_error(client):
+    code = ("import os, struct\nos.write(102, struct.pack('>I', 2**31))\nos.write(102, b' ' * 4096)\n"
+            "def add(a, b):\n    return 0\n")
+    res = run(client, code, tests=TESTS, memory_mb=256)
+    assert res["tests_passed"] == 0 and res["status"] != "infra_error", res
+
+
 def test_sys_exit_inside_a_test_is_an_error_not_a_pass(client):
     res = run(client, "def add(a, b):\n    raise SystemExit(0)\n", tests=TESTS)
     assert statuses(res) == ["error", "error"]
