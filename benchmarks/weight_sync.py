@@ -9,6 +9,11 @@ seconds per version (median), GB/s of weights delivered to each receiver, and th
 in-process copy of the same bytes (``torch.Tensor.copy_`` into preallocated buffers) measured in the
 same run. Also printed: the checkpoint path for comparison (save_file + load of the same weights),
 which is what a receiver does when it joins late or a session fails.
+
+With ``--system-steps N`` (default 4; 0 skips it) it also runs the whole system (``flywheel run``,
+SmolLM2 on the toy domain, all five services) once per transport and prints, from the rollout's log,
+the seconds from a version's announcement to the first generation batch that uses it (median over
+versions 2..N: version 1 can go out before the rollout engine registered for broadcasts).
 """
 
 from __future__ import annotations
@@ -108,11 +113,34 @@ def _case(tensors: dict, receivers: int, repeats: int, bucket: int, tmp: Path) -
     return {"seconds": round(sec, 3), "gb_per_s": round(nbytes / sec / 1e9, 3), "bytes": nbytes}
 
 
+def _system_lag(transport: str, steps: int, tmp: Path) -> dict:
+    """Run the toy system with SmolLM2 for ``steps`` steps; announcement → first generation, per version."""
+    import re
+
+    run_dir = tmp / f"sys-{transport}"
+    cmd = [sys.executable, "-m", "shared.cli", "run", str(ROOT / "examples/toy.yaml"),
+           "--set", "model.name=smollm2-135m-instruct", "--set", f"run.dir={run_dir}",
+           "--set", f"trainer.max_steps={steps}", "--set", f"trainer.weight_transport={transport}",
+           "--set", "scheduler.eval_before_training=false", "--set", "trainer.micro_batch_size=8",
+           "--set", "rollout.torch_threads=1", "--set", "trainer.torch_threads=1",
+           "--report", str(tmp / f"{transport}.json"), "--timeout", "900"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1200, cwd=tmp)
+    rep = json.loads((tmp / f"{transport}.json").read_text())
+    log = (Path(rep["run_dir"]) / "logs" / "rollout.log").read_text()
+    lags = {int(v): float(s) for v, s in re.findall(r"policy version (\d+): ([\d.]+) s from its announcement", log)}
+    how = dict(re.findall(r"loaded policy version (\d+) \((\w+)\)", log))
+    later = [lag for v, lag in lags.items() if v >= 2]
+    return {"lag_s_median": round(statistics.median(later), 3) if later else None,
+            "lag_s": {v: round(x, 3) for v, x in sorted(lags.items())},
+            "loaded_by": {int(v): h for v, h in how.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--system-steps", type=int, default=4)
     a = ap.parse_args()
 
     import torch
@@ -142,6 +170,14 @@ def main() -> None:
     for k, r in results.items():
         print(f"{k:<14}{r['bytes'] / 1e6:>8.0f}{r['seconds']:>11}{r['gb_per_s']:>8}{r['copy_seconds']:>9}"
               f"{r['ratio_to_copy']:>8}{r['checkpoint_seconds']:>9}")
+    if a.system_steps:
+        with tempfile.TemporaryDirectory() as d:
+            for transport in ("checkpoint", "distributed"):
+                results[f"system_{transport}"] = _system_lag(transport, a.system_steps, Path(d))
+        print(f"\nrunning system (SmolLM2, toy domain, {a.system_steps} steps): announcement -> first generation")
+        for transport in ("checkpoint", "distributed"):
+            r = results[f"system_{transport}"]
+            print(f"{transport:<14} median {r['lag_s_median']} s  per version {r['lag_s']}  loaded by {r['loaded_by']}")
     print(json.dumps(results))
 
 

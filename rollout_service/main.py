@@ -240,7 +240,10 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
                     break  # uncommitted: another replica (or this one after restart) takes them
                 if engine.policy_version != first_token_version and engine.policy_version in watcher.updates:
                     # announced → first token generated with it (the batch starts now)
-                    stats["rollout/publish_to_first_token_s"] = time.time() - watcher.updates[engine.policy_version].created_at
+                    lag = time.time() - watcher.updates[engine.policy_version].created_at
+                    stats["rollout/publish_to_first_token_s"] = lag
+                    log.info("policy version %d: %.3f s from its announcement to its first generation",
+                             engine.policy_version, lag)
                     first_token_version = engine.policy_version
                 await _generate_and_send(config, engine, tok, reqs, headers, producer, stats)
             await kafka.commit_batch(requests, batch)
