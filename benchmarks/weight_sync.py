@@ -3,7 +3,7 @@
     python benchmarks/weight_sync.py [--repeats 3] [--bucket-mb 64]
 
 For each dtype and receiver count, the trainer side (this process, rank 0) broadcasts the model's
-weights as one session per repeat (``shared/weight_sync.py``: buckets, SHA-256 per bucket, a fresh
+weights as one session per repeat (``shared/weight_sync.py``: buckets, CRC-32 per bucket, a fresh
 group per version); each receiver checks the checksums and rebuilds the tensors. Printed per case:
 seconds per version (median), GB/s of weights delivered to each receiver, and the ratio to a plain
 in-process copy of the same bytes (``torch.Tensor.copy_`` into preallocated buffers) measured in the
