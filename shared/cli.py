@@ -159,7 +159,9 @@ def _train(system: LocalSystem, cfg, t0: float, timeout_s: float) -> dict:
             last_eval = max(eval_rows.values(), key=lambda e: e["eval_round"])["accuracy"] if eval_rows else None
             info = (f"v{st['policy_version']} reward {tr.get('train/reward_mean', float('nan')):.2f} "
                     f"pass {st.get('train_reward_mean') or 0:.2f} stale {st['staleness']['mean'] or 0:.2f} "
-                    f"eval {'-' if last_eval is None else f'{last_eval:.2f}'} in-flight {st['in_flight_groups']}")
+                    f"eval {'-' if last_eval is None else f'{last_eval:.2f}'} in-flight {st['in_flight_groups']} "
+                    f"kl {tr.get('loss/kl_behaviour', 0.0):.3f} ent {tr.get('loss/entropy', 0.0):.2f} "
+                    f"clip {tr.get('loss/clip_frac', 0.0):.2f} gnorm {tr.get('train/grad_norm', 0.0):.1f}")
             progress.update(bar, completed=min(st["policy_version"], max_steps), info=info)
             if st["policy_version"] >= max_steps:
                 break

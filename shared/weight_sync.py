@@ -77,8 +77,10 @@ def _digest(flat: torch.Tensor) -> str:
 def _group(store: dist.Store, session: str, rank: int, world: int, timeout_s: float, backend: str):
     prefix = dist.PrefixStore(session, store)
     timeout = timedelta(seconds=timeout_s)
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(prefix, rank, world, dist.ProcessGroupNCCL.Options())
+    if backend == "nccl":  # not exercised here (CPU-only torch has no NCCL); the same calls as torch's own binding
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(prefix, rank, world, opts)
     return dist.ProcessGroupGloo(prefix, rank, world, timeout)
 
 
