@@ -111,6 +111,8 @@ class BroadcastFollower:
         self._seen: set[int] = set()
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Register (retrying until the trainer's store is up), then receive each announced session
+        this engine belongs to, until ``stop``."""
         from shared.weight_sync import WeightReceiver
 
         receiver = None

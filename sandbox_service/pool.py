@@ -125,6 +125,7 @@ class WorkerHandle:
 
     @property
     def alive(self) -> bool:
+        """The worker process is running."""
         return self.proc is not None and self.proc.returncode is None
 
     async def start(self) -> None:
@@ -254,6 +255,7 @@ class CircuitBreaker:
                   sum(self.window), len(self.window))
 
     def snapshot(self) -> dict:
+        """State, recent environment failures over the window, and how often it opened (for /healthz)."""
         return {"state": self.state, "recent_failures": sum(self.window), "window": len(self.window),
                 "times_opened": self.opened_count}
 

@@ -114,6 +114,7 @@ class Capture:
         return n
 
     def views(self) -> list[memoryview]:
+        """The kept bytes, as views into the chunks (no copy)."""
         return [memoryview(c)[:used] for c, used in self.chunks]
 
     def last_line_startswith(self, prefix: bytes) -> bool:
@@ -128,6 +129,7 @@ class Capture:
         return c.startswith(prefix, start, end)
 
     def zero(self) -> None:
+        """Overwrite the kept bytes with zeros in place (memset), before the chunks are freed."""
         for c, used in self.chunks:
             if used:
                 ctypes.memset((ctypes.c_char * used).from_buffer(c), 0, used)

@@ -218,4 +218,5 @@ class WeightReceiver:
         return out
 
     def close(self) -> None:
+        """Stop the heartbeat (the trainer leaves this receiver out of sessions 5 s later)."""
         self._stop.set()

@@ -60,6 +60,7 @@ class GRPOLossConfig(BaseModel):
 
     @property
     def eps_high(self) -> float:
+        """ε_high in effect (``clip_eps_high``, else ε_low)."""
         return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
 
 
