@@ -25,7 +25,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from opentelemetry import propagate, trace
+from opentelemetry import propagate
 
 from sandbox_service.config import SandboxConfig
 from sandbox_service.isolation import Capabilities, probe
