@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
 from pathlib import Path
 
@@ -98,9 +100,6 @@ class BroadcastFollower:
     version to the checkpoint file."""
 
     def __init__(self, config: FlywheelConfig, engine: Engine, watcher: WeightWatcher) -> None:
-        import os
-        import socket
-
         self.tc = config.trainer
         self.engine, self.watcher = engine, watcher
         self.id = f"rollout-{socket.gethostname()}-{os.getpid()}"

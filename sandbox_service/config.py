@@ -56,8 +56,9 @@ class SandboxConfig(BaseModel):
     worker_start_timeout_s: float = Field(30.0, gt=0, le=600)
     """How long a new worker may take to report ready (seconds)."""
     breaker_window: int = Field(20, ge=1, le=10_000)
-    """Circuit breaker: the last this many attempts are watched for environment failures."""
+    """Circuit breaker: the last this many executions are watched for ending in ``infra_error``."""
     breaker_failure_ratio: float = Field(0.5, gt=0, le=1)
     """Circuit breaker: it opens when at least this share of the window failed (and the window is full)."""
     breaker_cooldown_s: float = Field(10.0, gt=0, le=3600)
-    """Circuit breaker: seconds it stays open (HTTP 503, /healthz 503) before one trial execution."""
+    """Circuit breaker: seconds it stays open (HTTP 503, /healthz 503) before the service runs a canary
+    execution as its trial (success closes it, failure starts another cool-down)."""

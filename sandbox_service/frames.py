@@ -39,6 +39,11 @@ def _read_exact(fd: int, n: int) -> bytes | None:
 def send_frame(fd: int, obj) -> None:
     """Write ``obj`` as one frame to ``fd`` (raises OSError, e.g. BrokenPipeError, when the reader is gone)."""
     body = orjson.dumps(obj)
-    view = memoryview(struct.pack(">I", len(body)) + body)
+    write_all(fd, struct.pack(">I", len(body)) + body)
+
+
+def write_all(fd: int, data) -> None:
+    """Write all of the bytes-like ``data`` to the blocking ``fd``. Raises OSError."""
+    view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]

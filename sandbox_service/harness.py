@@ -257,9 +257,10 @@ def _send_or_die(fd: int, obj) -> None:
 # ---------------------------------------------------------------- R: the tests
 
 
-def run_tests(tests: list[dict], entry_point: str | None, token: str, req_fd: int, rsp_fd: int, child: int) -> None:
-    """Run each test in this interpreter against the solution served by process ``child``; report each
-    result on :data:`RESULT_FD`. Returns when done (the caller then reaps ``child``).
+def run_tests(tests: list[dict], entry_point: str | None, token: str, req_fd: int, rsp_fd: int) -> None:
+    """Run each test in this interpreter against the solution served by the process at the other end of
+    ``req_fd``/``rsp_fd``; report each result on :data:`RESULT_FD`. Returns when done (the caller then
+    reaps that process).
 
     Args:
         tests: ``[{"name": str, "code": str}]``; each test's code runs in a fresh namespace holding
@@ -269,7 +270,6 @@ def run_tests(tests: list[dict], entry_point: str | None, token: str, req_fd: in
         token: the run's secret; every result line carries it.
         req_fd, rsp_fd: the link to the solution's process (``req_fd`` is closed at the end, which
             ends that process).
-        child: its pid.
 
     Statuses: ``passed``; ``failed`` (AssertionError); ``error`` (any other exception, including the
     solution failing to load or its process dying, which fails every later test).

@@ -7,8 +7,8 @@ for the result with a backstop deadline (the run's own limit + :data:`BACKSTOP_S
 Environment failures (the worker died or hung, a torn frame, set-up failure inside the sandbox)
 are never the program's fault: the worker is killed and replaced, and the execution is retried
 on another worker up to ``retries`` times, then reported as ``infra_error``. A circuit breaker
-watches the share of failed attempts over the last ``breaker_window`` attempts; while it is open
-the service refuses new work (HTTP 503) and says so on ``/healthz``.
+watches the share of the last ``breaker_window`` executions that ended so; while it is open the
+service refuses new work (HTTP 503) and says so on ``/healthz``.
 """
 
 from __future__ import annotations
@@ -45,14 +45,23 @@ _SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
 
 
+def _records(channel: bytes, token: str) -> list[dict]:
+    """The JSON-object lines of the result channel that carry ``token`` (others are ignored)."""
+    out = []
+    for line in channel.splitlines():
+        try:
+            rec = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and rec.get("token") == token:
+            out.append(rec)
+    return out
+
+
 def harness_started(channel: bytes, token: str) -> bool:
-    """Whether the harness announced itself on the result channel (its first line, with the run's token)."""
-    first = channel.split(b"\n", 1)[0]
-    try:
-        rec = orjson.loads(first)
-    except orjson.JSONDecodeError:
-        return False
-    return isinstance(rec, dict) and rec.get("token") == token and rec.get("started") is True
+    """Whether the harness announced itself on the result channel (its first record, with the run's token)."""
+    recs = _records(channel, token)
+    return bool(recs) and recs[0].get("started") is True
 
 
 def parse_test_results(names: list[str], channel: bytes, token: str, run_status: str) -> list[TestResult]:
@@ -62,13 +71,7 @@ def parse_test_results(names: list[str], channel: bytes, token: str, run_status:
     the process before the harness could report it).
     """
     got: dict[int, dict] = {}
-    for line in channel.splitlines():
-        try:
-            rec = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            continue
-        if not isinstance(rec, dict) or rec.get("token") != token:
-            continue
+    for rec in _records(channel, token):
         i = rec.get("i")
         if isinstance(i, int) and 0 <= i < len(names) and i not in got:
             got[i] = rec
@@ -116,9 +119,10 @@ class WorkerFailure(Exception):
 class WorkerHandle:
     """One worker process and its pipes."""
 
-    def __init__(self, index: int, cfg: SandboxConfig, layers: list[str], caps: Capabilities) -> None:
+    def __init__(self, index: int, cfg: SandboxConfig, layers: list[str], caps: Capabilities,
+                 cgroup: str | None) -> None:
         self.index = index
-        self.cfg, self.layers, self.caps = cfg, layers, caps
+        self.cfg, self.layers, self.caps, self.cgroup = cfg, layers, caps, cgroup
         self.name = f"{os.getpid()}-slot{index}-{uuid.uuid4().hex[:6]}"
         self.proc: asyncio.subprocess.Process | None = None
         self.runs = 0
@@ -135,8 +139,8 @@ class WorkerHandle:
                 "--landlock-abi", str(self.caps.landlock_abi), "--python", python, "--cpu-cores", str(self.cfg.cpu_cores)]
         if "uid" in self.layers and self.cfg.uid_base is not None:
             args += ["--uid", str(self.cfg.uid_base + self.index)]
-        if self.caps.cgroup and "cgroups" in self.layers:
-            args += ["--cgroup", self.caps.cgroup]
+        if self.cgroup:
+            args += ["--cgroup", self.cgroup]
         env = {"PATH": _SAFE_PATH, "LANG": "C.UTF-8", "PYTHONPATH": _PKG_ROOT}  # nothing of the service's own
         try:
             self.proc = await asyncio.create_subprocess_exec(
@@ -275,6 +279,8 @@ class Pool:
         self.layers = sorted(available - set(cfg.disable_layers))
         self.degraded = sorted(set(isolation_layers()) - set(self.layers))
         self.network_isolated = "namespaces" in self.layers or "seccomp" in self.layers
+        self.cgroup = caps.cgroup if "cgroups" in self.layers else None
+        """The cgroup hierarchy the workers use (``v1``/``v2``), or None when that layer is off."""
         self.idle: asyncio.Queue[WorkerHandle] = asyncio.Queue()
         self.workers: dict[int, WorkerHandle] = {}
         self.breaker = CircuitBreaker(cfg.breaker_window, cfg.breaker_failure_ratio, cfg.breaker_cooldown_s)
@@ -287,10 +293,12 @@ class Pool:
         self.latency_sum = 0.0
         self._tasks: set[asyncio.Task] = set()
         self._cleanups: set[asyncio.Task] = set()
+        self._canary_wire = self._wire(ExecuteRequest(code="pass", timeout_s=5.0, memory_mb=64, max_processes=4,
+                                                      disk_mb=1, output_limit_bytes=1024), "canary")
 
     async def start(self) -> None:
         """Start every worker. Raises RuntimeError when none starts (the reason of the first failure)."""
-        stale = await asyncio.to_thread(remove_stale_leftovers, self.caps.cgroup if "cgroups" in self.layers else None)
+        stale = await asyncio.to_thread(remove_stale_leftovers, self.cgroup)
         if stale:
             log.info("removed the leftovers of %d workers of sandbox services that are gone", stale)
         results = await asyncio.gather(*(self._spawn(i) for i in range(self.cfg.max_concurrency)),
@@ -303,13 +311,10 @@ class Pool:
             self._replace_later(None)
         self._spawn_task(self._breaker_loop())
         if self.cfg.health_check_interval_s > 0:
-            t = asyncio.create_task(self._health_loop())
-            self._tasks.add(t)
-            t.add_done_callback(self._tasks.discard)
+            self._spawn_task(self._health_loop())
 
     async def _health_loop(self) -> None:
         """Every ``health_check_interval_s``, run a canary on each idle worker; replace the ones that fail."""
-        canary = self._canary_request()
         while not self.closing:
             await asyncio.sleep(self.cfg.health_check_interval_s)
             for _ in range(self.idle.qsize()):
@@ -320,20 +325,12 @@ class Pool:
                 except asyncio.QueueEmpty:
                     break
                 self.counters["health_checks"] += 1
-                try:
-                    raw = await w.request(canary, 5.0 + BACKSTOP_SLACK_S)
-                    healthy = raw.get("status") == "ok"
-                except WorkerFailure:
-                    healthy = False
-                if healthy:
-                    self.idle.put_nowait(w)
-                else:
+                if not await self._canary(w):
                     self.counters["health_check_failures"] += 1
-                    log.error("sandbox worker %s failed its health check; replacing it", w.name)
-                    self._replace_later(w)
+                    log.error("sandbox worker %s failed its health check; replaced", w.name)
 
     async def _spawn(self, index: int) -> WorkerHandle:
-        w = WorkerHandle(index, self.cfg, self.layers, self.caps)
+        w = WorkerHandle(index, self.cfg, self.layers, self.caps, self.cgroup)
         try:
             await w.start()
         except WorkerFailure:
@@ -364,9 +361,7 @@ class Pool:
                     log.error("sandbox worker %d restart failed: %s", index, e)
             self.counters["worker_restart_gave_up"] += 1
 
-        t = asyncio.create_task(respawn())
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+        self._spawn_task(respawn())
 
     async def _acquire(self) -> WorkerHandle:
         while True:
@@ -442,19 +437,18 @@ class Pool:
         self._count(result, time.monotonic() - t0)
         return result
 
-    async def _canary(self) -> bool:
-        """One trivial execution on an idle worker: True when it ran ``ok``."""
-        w = await self._acquire()
+    async def _canary(self, w: WorkerHandle) -> bool:
+        """One trivial execution on the idle worker ``w``: True when it ran ``ok`` (``w`` goes back to
+        the idle queue), else False (``w`` is replaced)."""
         try:
-            raw = await w.request(self._canary_request(), 5.0 + BACKSTOP_SLACK_S)
+            ok = (await w.request(self._canary_wire, 5.0 + BACKSTOP_SLACK_S)).get("status") == "ok"
         except WorkerFailure:
-            self._replace_later(w)
-            return False
-        if raw.get("status") == "ok":
+            ok = False
+        if ok:
             self.idle.put_nowait(w)
-            return True
-        self._replace_later(w)
-        return False
+        else:
+            self._replace_later(w)
+        return ok
 
     async def _breaker_loop(self) -> None:
         """Run the breaker's trial when its cool-down ends, whether or not requests arrive."""
@@ -464,19 +458,13 @@ class Pool:
                 await self._breaker_trial()
 
     async def _breaker_trial(self) -> None:
-        ok = await self._canary()
+        ok = await self._canary(await self._acquire())
         self.counters["breaker_trials"] += 1
         self.breaker.trial_result(ok)
         log.warning("sandbox circuit breaker trial %s: breaker %s", "passed" if ok else "failed", self.breaker.state)
 
-    @staticmethod
-    def _canary_request() -> dict:
-        return {"token": "canary", "language": "python", "code": "pass", "stdin": "", "files": {}, "tests": None,
-                "entry_point": None, "fresh_interpreter": False,
-                "limits": {"timeout_s": 5.0, "cpu_time_s": 5.0, "memory_mb": 64, "max_processes": 4, "disk_mb": 1,
-                           "output_limit_bytes": 1024}}
-
     def _spawn_task(self, coro) -> None:
+        """Run ``coro`` in the background, cancelled by :meth:`close`."""
         t = asyncio.create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
@@ -509,7 +497,7 @@ class Pool:
                 await asyncio.wait_for(w.proc.wait(), 10)
             except asyncio.TimeoutError:
                 pass
-        await asyncio.to_thread(remove_worker_leftovers, w.name, self.caps.cgroup)
+        await asyncio.to_thread(remove_worker_leftovers, w.name, self.cgroup)
 
     def _recycle(self, w: WorkerHandle) -> None:
         self.workers.pop(w.index, None)
@@ -523,9 +511,7 @@ class Pool:
                     log.error("sandbox worker %d could not be recycled: %s", w.index, e)
                     self._replace_later(None)
 
-        t = asyncio.create_task(replace())
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+        self._spawn_task(replace())
 
     def _wire(self, req: ExecuteRequest, token: str) -> dict:
         c = self.cfg
@@ -598,4 +584,4 @@ class Pool:
         for w in workers:
             if w.proc is not None:
                 await w.proc.wait()
-            await asyncio.to_thread(remove_worker_leftovers, w.name, self.caps.cgroup if "cgroups" in self.layers else None)
+            await asyncio.to_thread(remove_worker_leftovers, w.name, self.cgroup)

@@ -4,18 +4,21 @@ Process tree of one run (``S`` = the service, ``W`` = this worker, set up once):
 
     S --pipes--> W  own mount/net/ipc/uts namespaces; read-only root prepared; modules pre-imported;
                  │  supervises each run but never sees a request (hygiene, see below)
-                 └─ R  cloned *before* the request arrives, straight into a new pid and mount
-                       namespace (pid 1 there). R reads the request itself from S's pipe, then
-                       isolates itself in order: slot cgroup (limits, join), fresh size-limited
-                       tmpfs /work and /tmp, /proc, pivot_root into the read-only root, setsid,
-                       rlimits, slot uid, no_new_privs, Landlock, seccomp; then runs the code (in
-                       the pre-imported interpreter for Python; ``execve`` for bash, C, C++)
+                 └─ R  cloned *before* the request arrives, straight into new pid, mount and IPC
+                    │  namespaces (pid 1 there), in a session of its own. R reads the request itself
+                    │  from S's pipe and sets the run up: slot cgroup limits, fresh size-limited
+                    │  tmpfs /work and /tmp, /proc, pivot_root into the read-only root. Then it stays
+                    │  as init (feeding stdin; in test-harness mode, running the tests)
+                    └─ C  forked by R before the request existed; confines itself (rlimits, slot uid,
+                          no_new_privs, Landlock, seccomp) and runs the code (in the pre-imported
+                          interpreter for Python; ``execve`` for bash, C, C++)
 
 W learns only the run's limits (numbers) from R, enforces the wall deadline (SIGKILL to R takes
 the whole pid namespace with it), reads stdout, stderr and the test-result channel into byte
 buffers that it zeroes after the run, empties the cgroup, and writes one result frame to S. The
 request (code, tests, stdin) never enters W's memory, and outputs only as zeroed byte buffers, so
-nothing of one run can be found in the heap that the next run is cloned from.
+nothing of one run can be found in the heap that the next run is cloned from; C never held the
+request at all.
 
 Frames on the S<->W pipes: a 4-byte big-endian length and an orjson object; a result frame is
 followed by its raw parts (stdout, stderr, results channel, set-up error), their lengths in the
@@ -30,11 +33,11 @@ import ctypes
 import gc
 import os
 import resource
+import select
 import selectors
 import shutil
 import signal
 import socket
-import struct
 import sys
 import tempfile
 import time
@@ -43,7 +46,7 @@ from pathlib import Path
 import orjson
 
 from sandbox_service import harness, isolation
-from sandbox_service.frames import read_frame, send_frame
+from sandbox_service.frames import read_frame, send_frame, write_all
 from sandbox_service.cgroups import SlotCgroup
 
 READ_CHUNK = 65536
@@ -77,11 +80,9 @@ def write_frame(fd: int, obj: dict, parts: tuple = ()) -> None:
     parts = [p.views() if isinstance(p, Capture) else p for p in parts]
     if parts:
         obj = dict(obj, parts=[sum(len(b) for b in bufs) for bufs in parts])
-    body = orjson.dumps(obj)
-    for data in (struct.pack(">I", len(body)) + body, *(b for bufs in parts for b in bufs)):
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+    send_frame(fd, obj)
+    for b in (b for bufs in parts for b in bufs):
+        write_all(fd, b)
 
 
 class Capture:
@@ -356,7 +357,8 @@ class Run:
         return header, parts
 
     def _sweep(self, pid: int) -> None:
-        """Kill every process the run left: the slot's cgroup, else R's process group (R called setsid)."""
+        """Kill every process the run left: the slot's cgroup, and R's process group (R called setsid;
+        without a pid namespace that is what reaches C's tree)."""
         if self.w.cg:
             self.w.cg.kill_all(keep=os.getpid())
         try:
@@ -432,6 +434,7 @@ def _run(w: Worker, pipes: dict, rundir: str | None) -> None:
     """
     status_w = pipes["status"][1]
     isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
+    os.setsid()  # R's session and process group hold C too: no terminal, and one group for W to sweep
     for r, _ in pipes.values():
         os.close(r)
     ctl_r, ctl_w = os.pipe()  # R -> C: the go message, then (tests) calls
@@ -514,10 +517,10 @@ def _run(w: Worker, pipes: dict, rundir: str | None) -> None:
         finally:
             os._exit(SETUP_FAILED)
     if tests is None:
-        _feed(stdin, child)  # while the program runs; it returns at once when the pipe took it all
+        _feed(stdin)  # while the program runs; it returns at once when the pipe took it all
     else:
         os.close(_STDIN_FD)
-        harness.run_tests(tests, req.get("entry_point"), req["token"], _CTL_FD, _RSP_FD, child)
+        harness.run_tests(tests, req.get("entry_point"), req["token"], _CTL_FD, _RSP_FD)
     for fd in (0, 1, 2, harness.RESULT_FD, _CTL_FD, _RSP_FD, _STDIN_FD):
         try:
             os.close(fd)  # the program's pipes must close when it ends, not when R does
@@ -534,12 +537,10 @@ def _run(w: Worker, pipes: dict, rundir: str | None) -> None:
             os._exit(0)
 
 
-def _feed(data: memoryview, child: int) -> None:
+def _feed(data: memoryview) -> None:
     """R: write the rest of stdin to the program as it reads, without another process (which would
     count against the run's process limit); stop when it is all written or the program closed its end
     (or ended). A program that never reads keeps R here until the deadline, like any hung run."""
-    import select
-
     while data:
         try:
             _, writable, _ = select.select([], [_STDIN_FD], [], 0.05)
@@ -561,7 +562,6 @@ def _program(w: Worker, pipes: dict, ctl_r: int, rsp_w: int, stdin_r: int, close
         if go is None:  # no request (R ended)
             os._exit(0)
         lim, work, tmp = go["limits"], go["work"], go["tmp"]
-        os.setsid()
         os.dup2(ctl_r, _CTL_FD)
         os.dup2(rsp_w, _RSP_FD)
         for target, fd in ((0, stdin_r), (1, pipes["stdout"][1]), (2, pipes["stderr"][1])):

@@ -22,6 +22,8 @@ from sandbox_service.api import create_app
 from sandbox_service.config import SandboxConfig
 from sandbox_service.isolation import probe
 
+from .test_sandbox_api import run
+
 CFG = SandboxConfig(max_concurrency=2, default_timeout_s=5.0, default_memory_mb=256, default_disk_mb=16)
 CAPS = probe()
 pytestmark = pytest.mark.skipif(bool(CAPS.problems), reason=f"full isolation unavailable here: {CAPS.problems}")
@@ -31,12 +33,6 @@ pytestmark = pytest.mark.skipif(bool(CAPS.problems), reason=f"full isolation una
 def client():
     with TestClient(create_app(CFG, CAPS)) as c:
         yield c
-
-
-def run(client: TestClient, code: str, **kw) -> dict:
-    r = client.post("/v1/execute", json={"code": code, **kw})
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def sandbox_uid_processes() -> list[int]:

@@ -83,10 +83,10 @@ def procs():
 
 
 def test_buckets_group_by_dtype_and_size():
-    w = _weights(1)
+    w = _weights(1)  # h: 7 bf16; w0..w7: 8 KiB of fp32 each
     plan = plan_buckets(w, 16 * 1024)
-    assert [b.names for b in plan][-1] == ("w7",) or any("h" in b.names for b in plan)
-    assert all(len({w[n].dtype for n in b.names}) == 1 for b in plan)
+    assert [b.names for b in plan] == [("h",), ("w0", "w1"), ("w2", "w3"), ("w4", "w5"), ("w6", "w7")]
+    assert [b.dtype for b in plan] == [torch.bfloat16] + [torch.float32] * 4
     assert sum(b.numel for b in plan) == sum(t.numel() for t in w.values())
 
 
