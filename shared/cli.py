@@ -5,6 +5,8 @@
     flywheel submit tasks.jsonl                 # one task object per line (format in README.md)
     flywheel status
     flywheel down
+    flywheel tasks geometry -n 100 > geometry.jsonl   # a shipped domain's generated tasks as JSONL
+    flywheel judge-calibrate labelled.jsonl --config cfg.yaml   # the judge's agreement with labels
 """
 
 from __future__ import annotations
@@ -310,6 +312,62 @@ def down(run_dir: RunDirOpt = None, timeout: float = 60.0) -> None:
     if run_dir is None:
         _pointer().unlink(missing_ok=True)
     console.print("stopped")
+
+
+@app.command("tasks")
+def tasks_cmd(domain: Annotated[str, typer.Argument(help="reasoning_gym, humaneval, gsm_symbolic, "
+                                                     "financial_extraction or geometry.")],
+              n: Annotated[int, typer.Option("-n", help="How many tasks.")] = 100,
+              split: Annotated[str, typer.Option(help="train or eval.")] = "train",
+              seed: int = 0,
+              params: Annotated[Optional[str], typer.Option(help="Generator parameters as a JSON object.")] = None
+              ) -> None:
+    """Print ``n`` generated tasks of a shipped domain as JSONL (the format of ``flywheel submit``)."""
+    from shared.domains import make_tasks as make_domain_tasks
+
+    try:
+        kw = orjson.loads(params) if params else {}
+        out = make_domain_tasks(domain, n, seed=seed, split=split, **kw)
+    except (ValueError, TypeError, orjson.JSONDecodeError) as e:
+        raise typer.BadParameter(str(e)) from None
+    for t in out:
+        typer.echo(orjson.dumps(t).decode())
+
+
+@app.command("judge-calibrate")
+def judge_calibrate(
+    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="JSONL: {prompt, response, label, rubric?}.")],
+    config: Annotated[Optional[Path], typer.Option(help="System config whose verifier.judge is used.")] = None,
+    set_: SetOpt = None,
+    rubric: Annotated[Optional[str], typer.Option(help="Rubric for items without their own.")] = None,
+    threshold: Annotated[float, typer.Option(help="Pass/fail threshold on [0, 1] scores.")] = 0.5,
+) -> None:
+    """Score a labelled set with the configured judge and print its agreement with the labels (JSON)."""
+    import asyncio
+
+    from shared.config import FlywheelConfig
+    from verifier_service.judge import JudgeClient, calibrate, load_labelled
+
+    cfg = _load(config, set_)[0] if config else FlywheelConfig()
+    try:
+        items = load_labelled(str(file))
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+    async def go() -> dict:
+        client = JudgeClient(cfg.verifier.judge)
+        try:
+            return await calibrate(client, items, rubric, threshold)
+        finally:
+            await client.close()
+
+    try:
+        report = asyncio.run(go())
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    typer.echo(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
+    if report.get("infra_errors") == report.get("items"):
+        raise typer.Exit(2)
 
 
 if __name__ == "__main__":

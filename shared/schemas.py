@@ -1,7 +1,7 @@
 """Message schemas: one record type per topic (DESIGN.md, "Topics and messages").
 
 Every record is one JSON object encoded with orjson, carrying ``schema`` (its name) and
-carrying ``schema`` (its name) and ``schema_version``. :func:`decode` validates; a record that fails goes to
+``schema_version``. :func:`decode` validates; a record that fails goes to
 flywheel.dlq as a :class:`DeadLetter` with the reason (see ``shared.kafka``).
 """
 
@@ -14,35 +14,16 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from shared.jsoncheck import MAX_JSON_DEPTH, check_json as _check_json  # noqa: F401 - re-exported
+from shared.verifier_specs import (  # noqa: F401 - re-exported: the task schema's verifier specs
+    ExactSpec, GeometrySpec, JsonFieldsSpec, MathSpec, NumericSpec, ReasoningGymSpec, Recipe, RegexSpec,
+    UnitTestsSpec, VerifierSpec,
+)
+
 # ---------------------------------------------------------------- task-level pieces
 
 MAX_MESSAGE_CHARS = 100_000
 """Longest chat message accepted (characters); longer prompts cannot fit a policy's context anyway."""
-MAX_JSON_DEPTH = 32
-"""Deepest nesting accepted in free-form JSON fields (metadata, dataset entries)."""
-
-
-def _check_json(value: Any, limit: int = MAX_JSON_DEPTH) -> Any:
-    """``value`` unchanged when it is JSON the registry and Kafka can carry exactly.
-
-    Raises:
-        ValueError: nested deeper than ``limit``, an integer outside 64 bits (orjson cannot encode
-            it), or a NaN/Infinity float (JSON has none; it would silently become null).
-    """
-    stack = [(value, 1)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, (dict, list)):
-            if d > limit:
-                raise ValueError(f"nested deeper than {limit} levels")
-            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
-        elif isinstance(v, bool):
-            continue
-        elif isinstance(v, int) and not -(2**63) <= v < 2**64:
-            raise ValueError(f"integer {v} does not fit in 64 bits")
-        elif isinstance(v, float) and not math.isfinite(v):
-            raise ValueError(f"{v} is not a finite number (JSON has no NaN or Infinity)")
-    return value
 
 
 def _non_utf8_path(value: Any) -> str | None:
@@ -85,84 +66,6 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool"]
     content: str = Field(min_length=1, max_length=MAX_MESSAGE_CHARS)
-
-
-class ReasoningGymSpec(BaseModel):
-    """Score with a reasoning-gym dataset's own scorer; reward 1 only when it returns exactly 1.0.
-
-    ``entry`` is the dataset item (question, answer, metadata) the scorer needs.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-    kind: Literal["reasoning_gym"] = "reasoning_gym"
-    dataset: str = Field(min_length=1)
-    entry: dict[str, Any]
-    extract: Literal["last_number", "answer_tag", "boxed", "full"] = "last_number"
-    """How the answer is taken from the completion before scoring (strict; no partial credit)."""
-
-    @field_validator("entry")
-    @classmethod
-    def _storable(cls, v: dict[str, Any]) -> dict[str, Any]:
-        return _check_json(v)
-
-
-class MathSpec(BaseModel):
-    """Math answer equivalence with math-verify (run in a process pool with our own time bound)."""
-
-    model_config = ConfigDict(extra="forbid")
-    kind: Literal["math"] = "math"
-    answer: str
-    """Gold answer (LaTeX or plain)."""
-
-
-class UnitTestsSpec(BaseModel):
-    """Run the completion (appended to ``prefix``) with ``tests`` in the sandbox; reward 1 when all pass.
-
-    Human-eval: ``prefix`` is the problem prompt, ``tests`` its ``test`` code, ``entry_point`` the function.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-    kind: Literal["unit_tests"] = "unit_tests"
-    tests: str
-    entry_point: str | None = None
-    prefix: str = ""
-    language: Literal["python"] = "python"
-    timeout_s: float | None = Field(None, gt=0, le=300)
-
-
-class ExactSpec(BaseModel):
-    """Reward 1 when the stripped completion equals ``answer`` (optionally case-folded)."""
-
-    model_config = ConfigDict(extra="forbid")
-    kind: Literal["exact"] = "exact"
-    answer: str
-    case_sensitive: bool = True
-
-
-class RegexSpec(BaseModel):
-    """Reward 1 when ``pattern`` matches the completion (``search`` of the ``regex`` package, a superset
-    of ``re``; anchor it with ``^`` for a prefix). The match runs under a timeout
-    (``verifier.regex_timeout_s``), so a pattern that backtracks catastrophically cannot stall the verifier."""
-
-    model_config = ConfigDict(extra="forbid")
-    kind: Literal["regex"] = "regex"
-    pattern: str
-
-    @field_validator("pattern")
-    @classmethod
-    def _compiles(cls, v: str) -> str:
-        import regex
-
-        try:
-            regex.compile(v)
-        except regex.error as e:
-            raise ValueError(f"invalid regular expression: {e}") from e
-        return v
-
-
-VerifierSpec = Annotated[
-    Union[ReasoningGymSpec, MathSpec, UnitTestsSpec, ExactSpec, RegexSpec], Field(discriminator="kind")
-]
 
 
 class SamplingParams(BaseModel):

@@ -12,12 +12,24 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class DomainSource(BaseModel):
+    """One shipped domain of a ``mixture`` (``shared.domains``): how many tasks of each split, and the
+    generator's parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+    domain: Literal["reasoning_gym", "humaneval", "gsm_symbolic", "financial_extraction", "geometry"]
+    train_size: int = Field(64, ge=0, le=1_000_000)
+    eval_size: int = Field(16, ge=0, le=100_000)
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the domain's ``make`` (e.g. ``datasets`` for reasoning_gym)."""
+
+
 class TaskSourceConfig(BaseModel):
     """What ``flywheel run`` submits. Env names: ``FLYWHEEL_TASKS__<FIELD>``."""
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["reasoning_gym", "toy_prefix", "none"] = "reasoning_gym"
+    kind: Literal["reasoning_gym", "toy_prefix", "mixture", "none"] = "reasoning_gym"
     """``reasoning_gym`` (a dataset with its scorer), ``toy_prefix`` (reward 1 when the completion starts
     like ``toy_pattern``: a domain a tiny random model learns in seconds), or ``none``."""
     dataset: str = "basic_arithmetic"
@@ -36,6 +48,8 @@ class TaskSourceConfig(BaseModel):
     """System message of every task."""
     extract: Literal["last_number", "answer_tag", "boxed", "full"] = "last_number"
     """Answer extraction of the reasoning_gym verifier."""
+    domains: list[DomainSource] = Field(default_factory=list)
+    """``mixture``: the shipped domains to submit; the scheduler samples them like any tasks."""
     toy_pattern: str = "^[a-z]"
     """Regex the completion must match in the ``toy_prefix`` domain (default: starts with a lowercase letter)."""
     seed: int = 0
@@ -63,6 +77,8 @@ def make_tasks(cfg: TaskSourceConfig) -> list[dict]:
     """
     if cfg.kind == "none":
         return []
+    if cfg.kind == "mixture":
+        return _mixture_tasks(cfg)
     if cfg.kind == "toy_prefix":
         return _toy_tasks(cfg)
     import reasoning_gym
@@ -102,4 +118,24 @@ def _toy_tasks(cfg: TaskSourceConfig) -> list[dict]:
             q = "".join(rng.choice("0123456789") for _ in range(4)) + f"{split[0]}{i}"
             verifier = {"kind": "regex", "pattern": cfg.toy_pattern}
             out.append(_task(f"toy-{split}-{i}", "toy_prefix", q, verifier, cfg, split))
+    return out
+
+
+def _mixture_tasks(cfg: TaskSourceConfig) -> list[dict]:
+    """Every domain's held-out tasks, then its training tasks less any whose prompt is held out.
+
+    Raises:
+        ValueError: ``domains`` is empty, or a generator rejects its parameters.
+    """
+    from shared.domains import make_tasks as make_domain_tasks
+
+    if not cfg.domains:
+        raise ValueError("tasks.kind mixture needs at least one entry in tasks.domains")
+    out: list[dict] = []
+    for d in cfg.domains:
+        params = {"samples_per_task": cfg.samples_per_task, **d.params}
+        held = make_domain_tasks(d.domain, d.eval_size, seed=cfg.seed, split="eval", **params) if d.eval_size else []
+        seen = {_norm(t["prompt"][-1]["content"]) for t in held}
+        train = make_domain_tasks(d.domain, d.train_size, seed=cfg.seed, split="train", **params) if d.train_size else []
+        out += held + [t for t in train if _norm(t["prompt"][-1]["content"]) not in seen]
     return out

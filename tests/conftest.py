@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
 
@@ -68,3 +69,48 @@ async def _read_topic(cfg: KafkaConfig, topic: str, cls, want: int, timeout_s: f
 def read_topic():
     """``await read_topic(kafka_cfg, topic, RecordClass, want, timeout_s=60, keep=None, until=None)``."""
     return _read_topic
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.fixture(scope="session")
+def sandbox_url(tmp_path_factory):
+    """The real sandbox service (``python -m sandbox_service``) on a free port, stopped by pid."""
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+
+    port = free_port()
+    run_dir = tmp_path_factory.mktemp("sandbox")
+    env = dict(os.environ, FLYWHEEL_SANDBOX__PORT=str(port), FLYWHEEL_RUN__DIR=str(run_dir))
+    proc = subprocess.Popen([sys.executable, "-m", "sandbox_service"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, f"sandbox exited with {proc.returncode}"
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "sandbox did not become healthy in 30 s"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

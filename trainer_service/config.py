@@ -24,7 +24,14 @@ class TrainerConfig(BaseModel):
     lr: float = Field(1e-5, gt=0, le=1.0)
     """AdamW peak learning rate."""
     lr_warmup_steps: int = Field(0, ge=0)
-    """Steps of linear warm-up from lr / warm-up to lr (then constant)."""
+    """Steps of linear warm-up from lr / warm-up to lr (then ``lr_schedule``)."""
+    stall_report_s: float = Field(30.0, gt=0)
+    """Log what the group buffer holds when no step was taken for this long (seconds)."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: ``constant``, or ``cosine`` decay from lr to ``lr_min_ratio`` · lr at ``max_steps``
+    (Loshchilov & Hutter 2017, SGDR; verl's ``lr_scheduler_type: cosine``)."""
+    lr_min_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    """Floor of the cosine schedule as a fraction of lr."""
     weight_decay: float = Field(0.0, ge=0.0, le=1.0)
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)

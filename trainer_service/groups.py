@@ -130,6 +130,14 @@ class GroupBuffer:
         for tp, off in g.offsets:
             self._pending.get(tp, {}).pop(off, None)
 
+    def describe(self) -> str:
+        """One log line of what is held: partial groups (with their sample counts), ready, in-flight,
+        counters and the read position per partition. For diagnosing a trainer that waits."""
+        partial = ", ".join(f"{g.group_id}={len(g.samples)}/{g.size}" for g in self.partial.values())
+        return (f"partial [{partial}] ready {[g.group_id for g in self.ready]} in_flight {sorted(self.in_flight)} "
+                f"done {len(self.done_groups)} counters {dict(self.counters)} next {self._next} "
+                f"commit {self.commit_offsets()}")
+
     # ------------------------------------------------------------------ commits
     def commit_offsets(self) -> dict[Partition, int]:
         """Per partition, the offset to commit: the oldest record still held, else the next unread."""

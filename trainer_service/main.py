@@ -92,7 +92,7 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
         await (await kafka.send(producer, topics.WEIGHTS, latest, latest.model))
     await consumer.start()
     try:
-        last_step_end = time.perf_counter()
+        last_step_end = last_report = time.perf_counter()
         publishing: asyncio.Task | None = None
         while not stop.is_set():
             batch = await consumer.getmany(timeout_ms=200, max_records=1024)
@@ -107,6 +107,10 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
                     publishing = await _step(config, trainer, store, buffer, producer, wait_s, publishing,
                                              broadcaster)
                     last_step_end = time.perf_counter()
+                elif time.perf_counter() - max(last_step_end, last_report) > cfg.stall_report_s:
+                    last_report = time.perf_counter()
+                    log.warning("no step for %.0f s at policy version %d (assigned %s): %s", last_report - last_step_end,
+                                trainer.version, sorted(consumer.assignment()), buffer.describe())
             if publishing is not None and publishing.done():
                 publishing.result()  # surface a failed save or send
             offsets = {TopicPartition(t, p): o for (t, p), o in buffer.commit_offsets().items()}

@@ -9,10 +9,12 @@ loss and gradient are exactly 0) → KL to the reference (optional) → clip →
 from __future__ import annotations
 
 import copy
+import math
 import random
 import time
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -120,6 +122,23 @@ def completion_logprobs(model: torch.nn.Module, batch: Batch, autocast_bf16: boo
     return logp.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
 
 
+def lr_factor(cfg: TrainerConfig, step: int) -> float:
+    """Multiplier of ``cfg.lr`` for optimizer step ``step`` (0-based; the step about to be taken).
+
+    Linear warm-up over ``lr_warmup_steps`` ((step + 1) / warm-up), then constant or a cosine from 1 to
+    ``lr_min_ratio`` reached at ``max_steps - 1``: r + (1 − r) · (1 + cos(π · t)) / 2 with t the
+    fraction of the post-warm-up steps done.
+    """
+    warmup = cfg.lr_warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    span = max(1, cfg.max_steps - 1 - warmup)
+    t = min(1.0, (step - warmup) / span)
+    return cfg.lr_min_ratio + (1.0 - cfg.lr_min_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
 class PolicyTrainer:
     """Model + AdamW + LR schedule + the counters that define the policy version.
 
@@ -140,9 +159,7 @@ class PolicyTrainer:
                 p.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay)
-        warmup = cfg.lr_warmup_steps
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_factor, cfg))
         self.step = 0
         self.version = 0
 

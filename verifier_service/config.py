@@ -2,6 +2,9 @@
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shared.verifier_specs import Recipe
+from verifier_service.judge import JudgeConfig
+
 
 class VerifierConfig(BaseModel):
     """Verifier settings. Env names: ``FLYWHEEL_VERIFIER__<FIELD>``."""
@@ -23,7 +26,15 @@ class VerifierConfig(BaseModel):
     code_timeout_s: float = Field(10.0, gt=0, le=300)
     """Wall-clock limit given to the sandbox for one unit-test run (seconds)."""
     math_workers: int = Field(1, ge=1, le=64)
-    """Processes of the math-verify pool (each holds sympy; about 100 MB)."""
+    """Processes of the CPU pool (math-verify and the slow reasoning-gym scorers; each holds sympy, ~100 MB)."""
+    check_timeout_s: float = Field(30.0, gt=0, le=600)
+    """Bound of one deterministic check run in a thread or the pool (regex has its own; seconds)."""
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    """The judge endpoint used by recipes with a ``judge`` rubric."""
+    recipes: dict[str, Recipe] = Field(default_factory=dict)
+    """Reward recipe per task domain (a task's own ``verifier.recipe`` wins)."""
+    default_recipe: Recipe = Field(default_factory=Recipe)
+    """Recipe of domains without one: correctness only."""
     consumer_group: str = "verifier"
     """Kafka consumer group of flywheel.trajectories (copies with the same group share partitions)."""
     metrics_interval_s: float = Field(10.0, gt=0, le=3600)

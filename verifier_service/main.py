@@ -48,7 +48,9 @@ async def score_with_retries(scorer: Scorer, cfg: VerifierConfig, traj: Trajecto
         )
     attempts = 0
     while True:
-        reward = await scorer.score(traj.task.verifier, traj.completion_text)
+        reward = await scorer.score(
+            traj.task.verifier, traj.completion_text, finish_reason=traj.finish_reason,
+            prompt=[m.model_dump() for m in traj.task.prompt], tools=traj.task.tools, domain=traj.task.domain)
         attempts += 1
         if not reward.infra_error or reward.details.get("misconfigured") or attempts > cfg.infra_retries:
             break
@@ -82,7 +84,8 @@ class _Counters:
         }
 
     def add(self, name: str, v: float = 1) -> None:
-        self.values[f"verifier/{name}"] += v
+        key = f"verifier/{name}"
+        self.values[key] = self.values.get(key, 0) + v
 
     def snapshot(self) -> dict[str, float]:
         out = dict(self.values)
@@ -120,8 +123,41 @@ async def _handle(
         counters.add("infra_errors")
     elif reward.total >= 1.0:
         counters.add("passed")
+    for name in reward.details.get("hacks", {}):
+        counters.add(f"hack_{name}")  # reward-hacking detectors (verifier_service/hacks.py)
+    for name in reward.details.get("gated_by", []):
+        counters.add(f"gated_{name}")
     log.info("scored %s kind=%s reward=%.1f infra=%s in %.3f s", traj.trajectory_id, traj.task.verifier.kind,
              reward.total, reward.infra_error, dt)
+
+
+async def _calibrate_periodically(vcfg: VerifierConfig, scorer: Scorer, producer: Any, stop: asyncio.Event) -> None:
+    """Rescore the judge's labelled set every ``judge.calibration_every_s`` and publish its agreement
+    (``judge/accuracy``, ``judge/mae``, ``judge/kappa``…) on flywheel.metrics; below
+    ``judge.min_agreement`` log a drift alert. A failed round is logged and the loop goes on."""
+    from verifier_service.judge import calibrate, load_labelled
+
+    jc = vcfg.judge
+    while not stop.is_set():
+        try:
+            items = await asyncio.to_thread(load_labelled, jc.calibration_file)
+            report = await calibrate(scorer.judge, items, default_rubric=None)
+            values = {f"judge/{k}": float(v) for k, v in report.items() if isinstance(v, (int, float)) and v is not None}
+            await (await send(producer, topics.METRICS, Metrics(source=SERVICE, values=values), SERVICE))
+            acc = report.get("accuracy")
+            if acc is None or acc < jc.min_agreement:
+                log.warning("ALERT judge drift: agreement %s with %d labelled items is below %.2f (%s)", acc,
+                            report.get("n", 0), jc.min_agreement, report)
+            else:
+                log.info("judge calibration: %s", report)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - a failed round must not stop scoring
+            log.exception("judge calibration round failed")
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=jc.calibration_every_s)
+        except asyncio.TimeoutError:
+            pass
 
 
 async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None:
@@ -149,6 +185,9 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
         started = True
         log.info("verifier started (group %s, sandbox %s)", vcfg.consumer_group, vcfg.sandbox_url)
         next_metrics = time.monotonic() + vcfg.metrics_interval_s
+        calibration = None
+        if vcfg.judge.calibration_file and vcfg.judge.calibration_every_s > 0:
+            calibration = asyncio.create_task(_calibrate_periodically(vcfg, scorer, producer, stop))
         while not stop.is_set():
             batch = await consumer.getmany(timeout_ms=200, max_records=vcfg.max_batch)
             if batch:
@@ -160,6 +199,9 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
                 next_metrics = time.monotonic() + vcfg.metrics_interval_s
                 await (await send(producer, topics.METRICS, Metrics(source=SERVICE, values=counters.snapshot()),
                                   SERVICE))
+        if calibration is not None:
+            calibration.cancel()
+            await asyncio.gather(calibration, return_exceptions=True)
         log.info("verifier stopping: %s", counters.snapshot())
     except asyncio.CancelledError:
         log.info("verifier cancelled")

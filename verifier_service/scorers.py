@@ -1,17 +1,22 @@
-"""Deterministic scorers, one per verifier spec kind (DESIGN.md, "Verification layers", layer 1).
+"""The verifier's dispatcher: runs the layers of a task's recipe and composes them into a Reward
+(DESIGN.md, "Verification layers").
 
-Every scorer returns a :class:`shared.schemas.Reward`:
+1. Deterministic (``correctness``): :mod:`verifier_service.deterministic` for the in-process kinds;
+   here, ``math`` (math-verify in a process pool with our own time bound) and ``unit_tests`` (the
+   sandbox's test-harness mode over HTTP).
+2. Rules (:mod:`verifier_service.rules`): format, tool protocol, safety, truncation.
+3. Judge (:mod:`verifier_service.judge`): a rubric scored over an OpenAI-compatible endpoint.
 
-* ``total`` is 1.0 or 0.0 (strict: no partial credit reaches the trainer);
-* ``components`` names the layer, ``{"correctness": total}``;
-* ``details`` carries what was extracted, the raw score and any error text;
-* ``infra_error`` is True only when *our* side failed (sandbox unreachable, math-verify pool
-  timed out or died, misconfigured spec). Such a reward is never a 0: the service retries it and
+Then :func:`compose` applies the recipe's gates and weights; reward-hacking detectors
+(:mod:`verifier_service.hacks`) are flagged in the details. The resulting :class:`Reward`:
+
+* ``components``: every layer computed, each in [0, 1];
+* ``total``: 0 when a gate failed, else the weighted mean of the weighted components;
+* ``details``: the correctness layer's details at the top level (what was extracted, raw score,
+  errors), ``rules`` and ``judge`` details, ``gated_by`` and ``hacks``;
+* ``infra_error``: True only when *our* side failed (sandbox unreachable, math-verify pool timed out
+  or died, judge down or unparsable, misconfigured spec). Never a 0: the service retries it and
   then passes it on flagged. A model answer that makes a scorer raise is the model's fault: 0.
-
-The pure helpers (``extract_*``, :func:`score_exact`, :func:`score_regex`,
-:func:`score_reasoning_gym`) are synchronous and thread-safe; :class:`Scorer` holds the
-resources (reasoning-gym dataset cache, math-verify process pool, HTTP client) and dispatches.
 """
 
 from __future__ import annotations
@@ -20,178 +25,86 @@ import asyncio
 import concurrent.futures
 import logging
 import multiprocessing
-import re
-import threading
 import time
 from typing import Any
 
 import httpx
-import regex
 from opentelemetry import propagate
 
-from shared.schemas import ExactSpec, MathSpec, ReasoningGymSpec, RegexSpec, Reward, UnitTestsSpec
+from shared.verifier_specs import (
+    ExactSpec, GeometrySpec, JsonFieldsSpec, MathSpec, NumericSpec, ReasoningGymSpec, Recipe, RegexSpec,
+    UnitTestsSpec,
+)
+from shared.domains.reasoning_gym import SLOW
+from shared.schemas import Reward
+from verifier_service import deterministic as det
 from verifier_service.config import VerifierConfig
+from verifier_service.deterministic import CheckResult, infra, ok_if
+from verifier_service.extract import (  # noqa: F401 - re-exported for callers of the old module
+    clip, extract_answer, extract_boxed, extract_code, extract_last_number,
+)
+from verifier_service.hacks import detect_hacks
+from verifier_service.judge import JudgeClient
+from verifier_service.rules import run_rules
 
 log = logging.getLogger(__name__)
 
 LAYER = "correctness"
 """Name of the deterministic layer in ``Reward.components``."""
 
-_DETAIL_TEXT_LIMIT = 2000  # characters of stdout/stderr/exception text kept in details
+CODE_KINDS = (UnitTestsSpec,)
+"""Spec kinds scored by running the response's code (the test-tampering detector applies)."""
+
+score_reasoning_gym = det.score_reasoning_gym  # re-exported
+
+SLOW_REASONING_GYM = frozenset(SLOW)
+"""reasoning-gym scorers over a millisecond per call: run in the pool."""
 
 
-def _reward(ok: bool, **details: Any) -> Reward:
-    total = 1.0 if ok else 0.0
-    return Reward(total=total, components={LAYER: total}, details=details)
+def compose(recipe: Recipe, correctness: CheckResult, rules: dict[str, CheckResult],
+            judge: CheckResult | None, hacks: dict[str, dict]) -> Reward:
+    """One Reward from the layers' results under ``recipe`` (formula in :class:`shared.verifier_specs.Recipe`).
 
-
-def _infra(reason: str, **details: Any) -> Reward:
-    return Reward(total=0.0, components={}, details={"reason": reason, **details}, infra_error=True)
-
-
-def _clip(text: str | None) -> str:
-    text = text or ""
-    return text if len(text) <= _DETAIL_TEXT_LIMIT else text[:_DETAIL_TEXT_LIMIT] + "...[truncated]"
-
-
-# ---------------------------------------------------------------- extraction
-
-# A minus sign counts only when it is not a binary operator ("5-3" gives 5 and 3, "= -3" gives -3).
-_NUMBER = re.compile(r"(?:(?<![\w)\]}.])-)?\d(?:[\d,]*\d)?(?:\.\d+)?")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
-_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
-_PY_FENCE = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
-
-
-def extract_last_number(text: str) -> str | None:
-    """Last integer or decimal in ``text`` with thousands commas removed ("1,234." gives "1234"), or None."""
-    matches = _NUMBER.findall(text)
-    return matches[-1].replace(",", "") if matches else None
-
-
-def extract_answer_tag(text: str) -> str | None:
-    """Stripped content of the last ``<answer>...</answer>`` in ``text``, or None."""
-    matches = _ANSWER_TAG.findall(text)
-    return matches[-1].strip() if matches else None
-
-
-def extract_boxed(text: str) -> str | None:
-    """Stripped content of the last ``\\boxed{...}`` in ``text`` (nested braces balanced), or None."""
-    start = text.rfind("\\boxed{")
-    while start != -1:
-        i = start + len("\\boxed{")
-        depth = 1
-        while i < len(text):
-            c = text[i]
-            if c == "{":
-                depth += 1
-            elif c == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start + len("\\boxed{") : i].strip()
-            i += 1
-        start = text.rfind("\\boxed{", 0, start)  # unbalanced: try an earlier one
-    return None
-
-
-def extract_answer(text: str, how: str) -> str | None:
-    """Answer taken from a completion by ``how`` (``last_number``, ``answer_tag``, ``boxed``, ``full``).
-
-    Returns None when nothing matches (``full`` gives None for blank text).
-
-    Raises:
-        ValueError: unknown ``how``.
+    Any layer's infra_error makes the whole reward infra_error (the components computed so far are kept).
     """
-    if how == "last_number":
-        return extract_last_number(text)
-    if how == "answer_tag":
-        return extract_answer_tag(text)
-    if how == "boxed":
-        return extract_boxed(text)
-    if how == "full":
-        return text.strip() or None
-    raise ValueError(f"unknown extraction {how!r}")
-
-
-def extract_code(text: str) -> str:
-    """Code of a completion: the last ```python fenced block, else the last bare ``` block, else the text."""
-    blocks = _PY_FENCE.findall(text) or _FENCE.findall(text)
-    return blocks[-1] if blocks else text
-
-
-# ---------------------------------------------------------------- trivial kinds
-
-
-def score_exact(spec: ExactSpec, completion: str) -> Reward:
-    """1 when the stripped completion equals the stripped ``spec.answer`` (case-folded unless case_sensitive)."""
-    got, want = completion.strip(), spec.answer.strip()
-    if not spec.case_sensitive:
-        got, want = got.casefold(), want.casefold()
-    return _reward(got == want, extracted=_clip(completion.strip()))
-
-
-def score_regex(spec: RegexSpec, completion: str, timeout_s: float = 1.0) -> Reward:
-    """1 when ``regex.search(spec.pattern, completion)`` matches; the match text goes to details.
-
-    A match that runs longer than ``timeout_s`` seconds (catastrophic backtracking on this completion)
-    is reward 0 with the error in the details, like a scorer that raises on a model's answer.
-    """
-    try:
-        m = regex.search(spec.pattern, completion, timeout=timeout_s)
-    except TimeoutError:
-        return _reward(False, error=f"regex match timed out after {timeout_s} s")
-    return _reward(m is not None, match=_clip(m.group(0)) if m else None)
-
-
-# ---------------------------------------------------------------- reasoning-gym
-
-_rg_cache: dict[str, Any] = {}
-_rg_lock = threading.Lock()
-
-
-def reasoning_gym_dataset(name: str) -> Any:
-    """The reasoning-gym dataset ``name`` (size 1, seed 0), created once per process and cached.
-
-    Raises:
-        Exception: whatever ``reasoning_gym.create_dataset`` raises for an unknown or broken name.
-    """
-    ds = _rg_cache.get(name)
-    if ds is None:
-        with _rg_lock:
-            ds = _rg_cache.get(name)
-            if ds is None:
-                import reasoning_gym
-
-                ds = reasoning_gym.create_dataset(name, size=1, seed=0)
-                _rg_cache[name] = ds
-    return ds
-
-
-def score_reasoning_gym(spec: ReasoningGymSpec, completion: str) -> Reward:
-    """Strictly extract the answer, score it with the dataset's own scorer; 1 only for a score of exactly 1.0.
-
-    Blocking (dataset creation can take seconds the first time): call it from a worker thread in
-    async code. An unknown dataset is a misconfiguration: infra_error with ``details.misconfigured``.
-    """
-    answer = extract_answer(completion, spec.extract)
-    if answer is None:
-        return _reward(False, extracted=None, reason=f"no answer found by extract={spec.extract}")
-    try:
-        ds = reasoning_gym_dataset(spec.dataset)
-    except Exception as e:  # noqa: BLE001 - any failure here is ours, not the model's
-        return _infra(f"cannot create reasoning-gym dataset {spec.dataset!r}: {e!r}", misconfigured=True)
-    try:
-        raw = ds.score_answer(answer, entry=spec.entry)
-    except Exception as e:  # noqa: BLE001 - the model's answer broke the scorer: its fault
-        return _reward(False, extracted=_clip(answer), error=_clip(f"{type(e).__name__}: {e}"))
-    try:
-        raw_f = float(raw)
-    except (TypeError, ValueError):
-        return _reward(False, extracted=_clip(answer), error=f"scorer returned non-number {raw!r}")
-    return _reward(raw_f == 1.0, extracted=_clip(answer), raw_score=raw_f)
+    layers: dict[str, CheckResult] = {LAYER: correctness, **rules}
+    if judge is not None:
+        layers["judge"] = judge
+    details: dict[str, Any] = dict(correctness.details)
+    if rules:
+        details["rules"] = {k: v.details for k, v in rules.items()}
+    if judge is not None:
+        details["judge"] = judge.details
+    if hacks:
+        details["hacks"] = hacks
+    failed = [k for k, v in layers.items() if v.infra_error]
+    if failed:
+        first = layers[failed[0]]
+        details["reason"] = first.details.get("reason", f"{failed[0]} failed")
+        if any(layers[k].details.get("misconfigured") for k in failed):
+            details["misconfigured"] = True
+        details["infra_layers"] = failed
+        return Reward(total=0.0, components={k: v.score for k, v in layers.items() if not v.infra_error},
+                      details=details, infra_error=True)
+    components = {k: v.score for k, v in layers.items()}
+    gated_by = [g for g in recipe.gates if components.get(g, 1.0) < 1.0]
+    weighted = {k: w for k, w in recipe.weights.items() if k in components and w > 0}
+    total = sum(w * components[k] for k, w in weighted.items()) / sum(weighted.values()) if weighted else 0.0
+    if gated_by:
+        details["gated_by"] = gated_by
+        total = 0.0
+    if hacks and recipe.hack_policy == "zero":
+        total = 0.0
+    return Reward(total=total, components=components, details=details)
 
 
 # ---------------------------------------------------------------- math (runs in a worker process)
+
+
+def _reasoning_gym_worker(spec_json: str, completion: str) -> tuple[float, dict, bool]:
+    """:func:`deterministic.score_reasoning_gym` in a pool worker (plain values in and out)."""
+    r = det.score_reasoning_gym(ReasoningGymSpec.model_validate_json(spec_json), completion)
+    return r.score, r.details, r.infra_error
 
 
 def _math_worker_init() -> None:
@@ -216,7 +129,11 @@ def math_verify_compare(gold: str, answer: str, answer_is_boxed: bool) -> dict[s
     from math_verify import parse, verify
 
     out: dict[str, Any] = {"ok": False, "error": None, "gold_unparsed": False}
-    gold_p = parse(gold, parsing_timeout=None)
+    # The gold is one expression: read it whole, as boxed content. A plain parse takes the last number
+    # of "(1, 2)" (2), the false negative of notes/models-datasets.md; fall back to it only if needed.
+    gold_p = parse(f"\\boxed{{{gold}}}", parsing_timeout=None)
+    if not gold_p:
+        gold_p = parse(gold, parsing_timeout=None)
     if not gold_p:
         gold_p = parse(f"${gold}$", parsing_timeout=None)
     out["gold_parsed"] = str(gold_p[0]) if gold_p else None
@@ -236,7 +153,7 @@ def math_verify_compare(gold: str, answer: str, answer_is_boxed: bool) -> dict[s
 
 
 class Scorer:
-    """Scores a completion against a verifier spec; owns the math pool and the sandbox HTTP client.
+    """Runs a task's recipe on a completion; owns the math pool, the sandbox and judge HTTP clients.
 
     Use from one asyncio event loop (any thread). Call :meth:`close` when done. Scoring never
     raises for the model's or the infrastructure's failures: both come back as a Reward.
@@ -248,31 +165,96 @@ class Scorer:
         self._pool_lock = asyncio.Lock()
         self._math_slots = asyncio.Semaphore(cfg.math_workers)
         self._http: httpx.AsyncClient | None = None
+        self.judge = JudgeClient(cfg.judge)
 
-    async def score(self, spec: Any, completion: str) -> Reward:
-        """Score ``completion`` against ``spec`` (any ``shared.schemas.VerifierSpec``).
+    def recipe_for(self, spec: Any, domain: str | None) -> Recipe:
+        """The task's own recipe, else the service's recipe for ``domain``, else the default recipe."""
+        return spec.recipe or self.cfg.recipes.get(domain or "", None) or self.cfg.default_recipe
+
+    async def score(self, spec: Any, completion: str, *, finish_reason: str = "stop",
+                    prompt: list[dict[str, str]] | None = None, tools: list[str] | tuple = (),
+                    domain: str | None = None) -> Reward:
+        """Score ``completion`` against ``spec`` (any ``shared.verifier_specs.VerifierSpec``) under its recipe.
+
+        ``finish_reason`` feeds the truncation rule, ``prompt`` the judge, ``tools`` the tool-protocol
+        rule (the task's allowed tools), ``domain`` picks the service's per-domain recipe.
 
         Raises:
             asyncio.CancelledError: when cancelled (nothing else).
         """
         try:
-            if isinstance(spec, RegexSpec):
-                return await asyncio.to_thread(score_regex, spec, completion, self.cfg.regex_timeout_s)
-            if isinstance(spec, ExactSpec):
-                return score_exact(spec, completion)
-            if isinstance(spec, ReasoningGymSpec):
-                return await asyncio.to_thread(score_reasoning_gym, spec, completion)
-            if isinstance(spec, MathSpec):
-                return await self.score_math(spec, completion)
-            if isinstance(spec, UnitTestsSpec):
-                return await self.score_unit_tests(spec, completion)
-            return _infra(f"unsupported verifier kind {getattr(spec, 'kind', type(spec).__name__)!r}",
-                          misconfigured=True)
+            recipe = self.recipe_for(spec, domain)
+            correctness = await self.check(spec, completion)
+            rules = run_rules(recipe.rules, completion, finish_reason, list(tools)) if recipe.rules else {}
+            hacks = detect_hacks(completion, isinstance(spec, CODE_KINDS))
+            judge = None
+            gate_failed = correctness.infra_error or any(
+                (rules[g].score < 1.0 if g in rules else g == LAYER and correctness.score < 1.0)
+                for g in recipe.gates)
+            if recipe.judge is not None and not gate_failed:  # a failed gate zeroes the reward: save the call
+                judge = await asyncio.wait_for(self.judge.score(recipe.judge, prompt or [], completion),
+                                               timeout=self.cfg.judge.timeout_s + 5)
+            return compose(recipe, correctness, rules, judge, hacks)
         except asyncio.CancelledError:
             raise
+        except asyncio.TimeoutError:
+            return Reward(total=0.0, infra_error=True, details={"reason": "judge timed out"})
         except Exception as e:  # noqa: BLE001 - a bug of ours: flag it, never a 0 reward
             log.exception("scorer failed on %s", getattr(spec, "kind", spec))
-            return _infra(f"scorer crashed: {type(e).__name__}: {e}")
+            return Reward(total=0.0, infra_error=True, details={"reason": f"scorer crashed: {type(e).__name__}: {e}"})
+
+    async def check(self, spec: Any, completion: str) -> CheckResult:
+        """The deterministic layer (``correctness``) for ``spec``.
+
+        In-process kinds run inline when cheap (exact, numeric, json_fields, geometry, a cached
+        reasoning-gym dataset) and in a worker thread bounded by ``check_timeout_s`` otherwise.
+        """
+        if isinstance(spec, ExactSpec):
+            return det.score_exact(spec, completion)
+        if isinstance(spec, NumericSpec):
+            return det.score_numeric(spec, completion)
+        if isinstance(spec, JsonFieldsSpec):
+            return det.score_json_fields(spec, completion)
+        if isinstance(spec, GeometrySpec):
+            return det.score_geometry(spec, completion)
+        if isinstance(spec, MathSpec):
+            return await self.score_math(spec, completion)
+        if isinstance(spec, UnitTestsSpec):
+            return await self.score_unit_tests(spec, completion)
+        if isinstance(spec, RegexSpec):
+            return await self._in_thread(det.score_regex, spec, completion, self.cfg.regex_timeout_s)
+        if isinstance(spec, ReasoningGymSpec):
+            if spec.dataset in SLOW_REASONING_GYM:
+                return await self._in_pool(_reasoning_gym_worker, spec.model_dump_json(), completion)
+            if det.reasoning_gym_cached(spec.dataset):
+                return det.score_reasoning_gym(spec, completion)
+            return await self._in_thread(det.score_reasoning_gym, spec, completion)
+        return infra(f"unsupported verifier kind {getattr(spec, 'kind', type(spec).__name__)!r}", misconfigured=True)
+
+    async def _in_pool(self, fn, *args) -> CheckResult:
+        """``fn(*args)`` in the CPU pool, bounded by ``check_timeout_s`` (a stuck worker is killed)."""
+        try:
+            pool = await self._get_pool()
+        except (asyncio.TimeoutError, concurrent.futures.process.BrokenProcessPool, OSError) as e:
+            return infra(f"CPU pool did not start: {e!r}")
+        async with self._math_slots:
+            fut = pool.submit(fn, *args)
+            try:
+                score, details, infra_error = await asyncio.wait_for(asyncio.wrap_future(fut),
+                                                                      timeout=self.cfg.check_timeout_s)
+            except asyncio.TimeoutError:
+                self._kill_pool(pool)
+                return infra(f"{fn.__name__} exceeded {self.cfg.check_timeout_s} s")
+            except concurrent.futures.process.BrokenProcessPool as e:
+                self._kill_pool(pool)
+                return infra(f"CPU pool worker died: {e!r}")
+        return CheckResult(score, details, infra_error)
+
+    async def _in_thread(self, fn, *args) -> CheckResult:
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout=self.cfg.check_timeout_s)
+        except asyncio.TimeoutError:
+            return infra(f"{getattr(fn, '__name__', fn)} exceeded {self.cfg.check_timeout_s} s")
 
     # ------------------------------------------------------------ math
 
@@ -302,7 +284,7 @@ class Scorer:
                 pass
         pool.shutdown(wait=False, cancel_futures=True)
 
-    async def score_math(self, spec: MathSpec, completion: str) -> Reward:
+    async def score_math(self, spec: MathSpec, completion: str) -> CheckResult:
         """math-verify equivalence of the gold and the model answer, bounded by ``math_timeout_s``.
 
         The answer is the last ``\\boxed{}`` when present, else math-verify's own extraction over
@@ -311,7 +293,7 @@ class Scorer:
         ``details.misconfigured``.
         """
         if not completion.strip():
-            return _reward(False, extracted=None, reason="empty completion")
+            return ok_if(False, extracted=None, reason="empty completion")
         boxed = extract_boxed(completion)
         candidates: list[tuple[str, bool, str]] = []
         if boxed is not None:
@@ -327,27 +309,27 @@ class Scorer:
             try:
                 pool = await self._get_pool()
             except (asyncio.TimeoutError, concurrent.futures.process.BrokenProcessPool, OSError) as e:
-                return _infra(f"math-verify pool did not start: {e!r}")
+                return infra(f"math-verify pool did not start: {e!r}")
             async with self._math_slots:
                 fut = pool.submit(math_verify_compare, spec.answer, used, is_boxed)
                 try:
                     res = await asyncio.wait_for(asyncio.wrap_future(fut), timeout=self.cfg.math_timeout_s)
                 except asyncio.TimeoutError:
                     self._kill_pool(pool)
-                    return _infra(f"math-verify exceeded {self.cfg.math_timeout_s} s", extracted=_clip(used))
+                    return infra(f"math-verify exceeded {self.cfg.math_timeout_s} s", extracted=clip(used))
                 except concurrent.futures.process.BrokenProcessPool as e:
                     self._kill_pool(pool)
-                    return _infra(f"math-verify worker died: {e!r}", extracted=_clip(used))
+                    return infra(f"math-verify worker died: {e!r}", extracted=clip(used))
                 except Exception as e:  # noqa: BLE001 - sympy raising on the model's answer
                     res = {"ok": False, "error": f"{type(e).__name__}: {e}", "gold_unparsed": False}
             if res.get("gold_unparsed"):
-                return _infra(res["error"], misconfigured=True)
+                return infra(res["error"], misconfigured=True)
             if res.get("answer_parsed") is not None:
                 break  # parsed: this candidate decides
         details = {
-            k: (_clip(v) if isinstance(v, str) else v) for k, v in res.items() if k not in ("ok", "gold_unparsed")
+            k: (clip(v) if isinstance(v, str) else v) for k, v in res.items() if k not in ("ok", "gold_unparsed")
         }
-        return _reward(bool(res.get("ok")), extracted=_clip(used), extracted_by=how, **details)
+        return ok_if(bool(res.get("ok")), extracted=clip(used), extracted_by=how, **details)
 
     # ------------------------------------------------------------ unit tests
 
@@ -355,12 +337,14 @@ class Scorer:
         """The sandbox request in test-harness mode: ``prefix`` + the completion's code as the solution,
         ``spec.tests`` as one test (``check(entry_point)`` is called by the harness when set)."""
         code = spec.prefix + extract_code(completion)
-        req = {"code": code, "tests": [{"name": "tests", "code": spec.tests}], "timeout_s": timeout_s}
+        tests = ([{"name": "tests", "code": spec.tests}] if isinstance(spec.tests, str)
+                 else [t.model_dump() for t in spec.tests])
+        req = {"code": code, "tests": tests, "timeout_s": timeout_s}
         if spec.entry_point:
             req["entry_point"] = spec.entry_point
         return req
 
-    async def score_unit_tests(self, spec: UnitTestsSpec, completion: str) -> Reward:
+    async def score_unit_tests(self, spec: UnitTestsSpec, completion: str) -> CheckResult:
         """Run the completion's code against ``spec.tests`` in the sandbox's test-harness mode (``POST {sandbox_url}/v1/execute``).
 
         Passed iff every test reports ``passed`` over the sandbox's private result channel (never from
@@ -379,31 +363,36 @@ class Scorer:
                 timeout=httpx.Timeout(timeout_s + 30.0, connect=5.0),
             )
         except httpx.HTTPError as e:
-            return _infra(f"sandbox unreachable: {type(e).__name__}: {e}", sandbox_url=self.cfg.sandbox_url)
+            return infra(f"sandbox unreachable: {type(e).__name__}: {e}", sandbox_url=self.cfg.sandbox_url)
         if r.status_code != 200:
-            return _infra(f"sandbox answered HTTP {r.status_code}", body=_clip(r.text))
+            return infra(f"sandbox answered HTTP {r.status_code}", body=clip(r.text))
         try:
             body = r.json()
             status = body["status"]
             tests = body.get("tests") or []
         except (ValueError, KeyError, TypeError) as e:
-            return _infra(f"sandbox answered malformed JSON: {e!r}", body=_clip(r.text))
+            return infra(f"sandbox answered malformed JSON: {e!r}", body=clip(r.text))
         details = {
             "status": status, "exit_code": body.get("exit_code"), "run_id": body.get("run_id"),
-            "stdout": _clip(body.get("stdout")), "stderr": _clip(body.get("stderr")),
-            "tests": [{k: (_clip(v) if isinstance(v, str) else v) for k, v in t.items()} for t in tests],
+            "stdout": clip(body.get("stdout")), "stderr": clip(body.get("stderr")),
+            "tests": [{k: (clip(v) if isinstance(v, str) else v) for k, v in t.items()} for t in tests],
         }
         if status == "infra_error":
-            return _infra("sandbox infrastructure error", **details)
-        passed = bool(tests) and all(t.get("status") == "passed" for t in tests)
+            return infra("sandbox infrastructure error", **details)
+        n_passed = sum(t.get("status") == "passed" for t in tests)
+        passed = bool(tests) and n_passed == len(tests)
         if not passed and tests:
             details["reason"] = "; ".join(f"{t.get('name')}: {t.get('status')}" for t in tests if t.get("status") != "passed")
-        return _reward(passed, **details)
+        details["tests_passed"] = n_passed
+        if spec.partial_credit and tests:
+            return CheckResult(n_passed / len(tests), details)
+        return ok_if(passed, **details)
 
     # ------------------------------------------------------------ lifecycle
 
     async def close(self) -> None:
-        """Close the HTTP client and stop the math pool (killing a worker stuck in sympy)."""
+        """Close the HTTP clients and stop the math pool (killing a worker stuck in sympy)."""
+        await self.judge.close()
         if self._http is not None:
             await self._http.aclose()
             self._http = None

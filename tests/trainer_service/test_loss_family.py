@@ -233,6 +233,16 @@ def test_lr_warm_up_is_linear_then_constant(tiny):
     assert lrs == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3, 1e-3])
 
 
+def test_cosine_schedule_decays_to_its_floor_after_warm_up():
+    from trainer_service.trainer import lr_factor
+    cfg = TrainerConfig(lr_warmup_steps=2, lr_schedule="cosine", lr_min_ratio=0.1, max_steps=7)
+    factors = [lr_factor(cfg, s) for s in range(8)]
+    # warm-up 1/2, 1; then cosine over steps 2..6: t = 0, 1/4, 1/2, 3/4, 1; held at the floor after.
+    cos = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)) for t in (0, 0.25, 0.5, 0.75, 1.0)]
+    assert factors == pytest.approx([0.5, 1.0, *cos, 0.1])
+    assert lr_factor(cfg.model_copy(update={"lr_schedule": "constant"}), 6) == 1.0
+
+
 def test_staleness_eta_trains_with_its_importance_weight(tiny):
     """A sample at staleness η = 1 trains, its ratio π_θ/π_behaviour ≠ 1 weighting it; at η + 1 it is dropped."""
     buf = GroupBuffer(1)

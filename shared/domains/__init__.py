@@ -1,0 +1,36 @@
+"""Task generators, one module per domain; the scheduler mixes whatever is submitted.
+
+Every domain module has:
+
+* ``make(n, seed, split, **params) -> list[dict]``: ``n`` task bodies for ``POST /v1/tasks``
+  (``split`` ``train`` or ``eval``; the same seed and split give the same tasks);
+* ``gold(task) -> str``: a completion that scores 1 (the gold answer or canonical solution);
+* ``corrupt(task, rng) -> str``: a plausible wrong completion that scores below 1.
+
+Domains: ``reasoning_gym`` (every generator with a gold answer and an exact scorer; the excluded
+ones and why are in :data:`shared.domains.reasoning_gym.EXCLUDED`), ``humaneval``, ``gsm_symbolic``
+(math-verify), ``financial_extraction`` (json_fields) and ``geometry`` (scene constraints).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+DOMAINS = ("reasoning_gym", "humaneval", "gsm_symbolic", "financial_extraction", "geometry")
+
+
+def get(name: str) -> ModuleType:
+    """The generator module of domain ``name``.
+
+    Raises:
+        ValueError: unknown domain.
+    """
+    if name not in DOMAINS:
+        raise ValueError(f"unknown domain {name!r}; known: {list(DOMAINS)}")
+    return importlib.import_module(f"shared.domains.{name}")
+
+
+def make_tasks(name: str, n: int, seed: int = 0, split: str = "train", **params) -> list[dict]:
+    """``n`` task bodies of domain ``name`` (see the module docstring)."""
+    return get(name).make(n, seed=seed, split=split, **params)

@@ -1,0 +1,354 @@
+"""Verifier specs: how a task's completions are scored (DESIGN.md, "Verification layers").
+
+A task carries ``verifier: {kind, params}`` (the flat form ``{kind, ...params}`` is the same spec):
+``kind`` picks the deterministic layer (the ``correctness`` component), ``params`` its fields. An
+optional ``recipe`` overrides the verifier service's recipe for the task's domain: which rules run,
+whether a judge scores a rubric, which components gate the reward and how they are weighted.
+
+Components are named ``correctness``, ``format``, ``tool_protocol``, ``safety``, ``truncation`` and
+``judge``; each is a float in [0, 1] and every one computed is reported in ``Reward.components``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+from shared.jsoncheck import check_json
+
+COMPONENTS = ("correctness", "format", "tool_protocol", "safety", "truncation", "judge")
+"""Names a recipe may gate on or weight."""
+
+EXTRACTIONS = Literal["last_number", "answer_tag", "boxed", "full"]
+
+
+# ---------------------------------------------------------------- rules layer
+
+
+class FormatRule(BaseModel):
+    """Output format. 1 when every requested check holds, else 0 (the failures are in the details).
+
+    A reasoning block opened with ``<think>`` and never closed always fails, requested or not.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    rule: Literal["format"] = "format"
+    think: Literal["optional", "required"] = "optional"
+    """``required``: the response must open with a closed ``<think>…</think>`` block."""
+    answer_tag: bool = False
+    """The response must hold a non-empty ``<answer>…</answer>`` after any reasoning block."""
+    json_schema: dict[str, Any] | None = None
+    """The answer (tag content when ``answer_tag``, else the first JSON object in the response)
+    must parse as JSON and validate against this JSON Schema (draft 2020-12)."""
+
+    @field_validator("json_schema")
+    @classmethod
+    def _valid_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            import jsonschema
+
+            check_json(v)
+            try:
+                jsonschema.Draft202012Validator.check_schema(v)
+            except jsonschema.SchemaError as e:
+                raise ValueError(f"not a valid JSON Schema: {e.message}") from e
+        return v
+
+
+class ToolProtocolRule(BaseModel):
+    """Tool calls (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, see ``shared.tools``)
+    must be valid JSON objects with object arguments and name only allowed tools."""
+
+    model_config = ConfigDict(extra="forbid")
+    rule: Literal["tool_protocol"] = "tool_protocol"
+    allowed_tools: list[str] | None = None
+    """Allowed tool names; ``None`` = the task's ``tools``."""
+    require_call: bool = False
+    """At least one tool call must be present."""
+
+
+class SafetyRule(BaseModel):
+    """No destructive actions (``rm -rf /``, ``mkfs``, fork bombs, ``curl | sh``, ``DROP TABLE``…) in the
+    agent's actions: tool-call arguments and shell/Python code blocks (plus ``extra_patterns``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    rule: Literal["safety"] = "safety"
+    extra_patterns: list[str] = Field(default_factory=list, max_length=256)
+    """More regular expressions (case-insensitive) that count as destructive."""
+    scan_text: bool = False
+    """Scan the whole response, not only actions (tool arguments and code blocks)."""
+
+    @field_validator("extra_patterns")
+    @classmethod
+    def _compiles(cls, v: list[str]) -> list[str]:
+        import regex
+
+        for p in v:
+            try:
+                regex.compile(p)
+            except regex.error as e:
+                raise ValueError(f"invalid regular expression {p!r}: {e}") from e
+        return v
+
+
+class TruncationRule(BaseModel):
+    """0 when generation hit its token budget (finish_reason ``length``), else 1."""
+
+    model_config = ConfigDict(extra="forbid")
+    rule: Literal["truncation"] = "truncation"
+
+
+RuleSpec = Annotated[Union[FormatRule, ToolProtocolRule, SafetyRule, TruncationRule], Field(discriminator="rule")]
+
+
+# ---------------------------------------------------------------- judge layer and recipe
+
+
+class JudgeRubric(BaseModel):
+    """A rubric scored by the judge model (``verifier.judge`` in the service config says which)."""
+
+    model_config = ConfigDict(extra="forbid")
+    rubric: str = Field(min_length=1, max_length=20_000)
+    """What a good response does; shown to the judge with the task and the response."""
+    scale_min: int = 0
+    scale_max: int = Field(10, ge=1, le=100)
+    """The judge answers an integer in [scale_min, scale_max]; the component is its linear map to [0, 1]."""
+    reference: str | None = Field(None, max_length=100_000)
+    """A reference answer shown to the judge."""
+
+    @model_validator(mode="after")
+    def _range(self) -> "JudgeRubric":
+        if self.scale_min >= self.scale_max:
+            raise ValueError("scale_min must be below scale_max")
+        return self
+
+
+class Recipe(BaseModel):
+    """How the layers compose into ``Reward.total``.
+
+    ``total = 0`` when any gate component is below 1 (the gate failed), else
+    ``Σ_c w_c · component_c / Σ_c w_c`` over the weighted components that were computed.
+    A detected reward hack is flagged in the details and counted; with ``hack_policy: zero`` it also
+    sets the total to 0.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    rules: list[RuleSpec] = Field(default_factory=list, max_length=16)
+    judge: JudgeRubric | None = None
+    gates: list[str] = Field(default_factory=list)
+    """Components that must be exactly 1 (e.g. ``format``, ``safety``)."""
+    weights: dict[str, float] = Field(default_factory=lambda: {"correctness": 1.0})
+    """Weight per component (≥ 0, at least one > 0)."""
+    hack_policy: Literal["flag", "zero"] = "flag"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Recipe":
+        named = set(self.gates) | set(self.weights)
+        unknown = sorted(named - set(COMPONENTS))
+        if unknown:
+            raise ValueError(f"unknown component(s) {unknown}; known: {list(COMPONENTS)}")
+        present = {"correctness"} | {r.rule for r in self.rules} | ({"judge"} if self.judge else set())
+        missing = sorted(named - present)
+        if missing:
+            raise ValueError(f"component(s) {missing} are gated or weighted but no rule or judge computes them")
+        if any(w < 0 for w in self.weights.values()) or not any(w > 0 for w in self.weights.values()):
+            raise ValueError("weights must be >= 0 with at least one > 0")
+        return self
+
+
+# ---------------------------------------------------------------- deterministic kinds
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    recipe: Recipe | None = None
+    """Per-task recipe; ``None`` = the verifier service's recipe for the task's domain."""
+
+
+class ReasoningGymSpec(_Spec):
+    """Score with a reasoning-gym dataset's own scorer; reward 1 only when it returns exactly 1.0.
+
+    ``entry`` is the dataset item (question, answer, metadata) the scorer needs.
+    """
+
+    kind: Literal["reasoning_gym"] = "reasoning_gym"
+    dataset: str = Field(min_length=1)
+    entry: dict[str, Any]
+    extract: EXTRACTIONS = "last_number"
+    """How the answer is taken from the completion before scoring (strict; no partial credit)."""
+
+    @field_validator("entry")
+    @classmethod
+    def _storable(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return check_json(v)
+
+
+class MathSpec(_Spec):
+    """Math answer equivalence with math-verify (run in a process pool with our own time bound)."""
+
+    kind: Literal["math"] = "math"
+    answer: str
+    """Gold answer (LaTeX or plain)."""
+
+
+class NamedTest(BaseModel):
+    """One test of a ``unit_tests`` spec: code run against the solution (see the sandbox's TestCase)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=200)
+    code: str = Field(min_length=1)
+
+
+class UnitTestsSpec(_Spec):
+    """Run the completion's code (appended to ``prefix``) against ``tests`` in the sandbox's test-harness
+    mode; per-test results come back in the details. Reward 1 when all pass (with ``partial_credit``:
+    the fraction that pass).
+
+    Human-eval: ``prefix`` is the problem prompt, ``tests`` its ``test`` code (one test, which calls
+    ``check(entry_point)``), ``entry_point`` the function.
+    """
+
+    kind: Literal["unit_tests"] = "unit_tests"
+    tests: str | list[NamedTest] = Field(min_length=1)
+    """One test's code, or several named tests (each reported on its own)."""
+    partial_credit: bool = False
+    entry_point: str | None = None
+    prefix: str = ""
+    language: Literal["python"] = "python"
+    timeout_s: float | None = Field(None, gt=0, le=300)
+
+
+class ExactSpec(_Spec):
+    """Reward 1 when the stripped completion (or its extracted answer) equals ``answer``."""
+
+    kind: Literal["exact"] = "exact"
+    answer: str
+    case_sensitive: bool = True
+    extract: EXTRACTIONS = "full"
+
+
+class RegexSpec(_Spec):
+    """Reward 1 when ``pattern`` matches the completion (``search`` of the ``regex`` package, a superset
+    of ``re``; anchor it with ``^`` for a prefix). The match runs under a timeout
+    (``verifier.regex_timeout_s``), so a pattern that backtracks catastrophically cannot stall the verifier."""
+
+    kind: Literal["regex"] = "regex"
+    pattern: str
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, v: str) -> str:
+        import regex
+
+        try:
+            regex.compile(v)
+        except regex.error as e:
+            raise ValueError(f"invalid regular expression: {e}") from e
+        return v
+
+
+class NumericSpec(_Spec):
+    """Reward 1 when the extracted number is within tolerance of ``answer``:
+    ``|x − a| ≤ max(abs_tol, rel_tol · |a|)`` (``math.isclose``'s rule).
+
+    Units, currency signs, thousands separators and a trailing ``%`` are stripped; ``3/4`` and
+    ``1.5e3`` parse; ``(1,234)`` is −1234 (accounting).
+    """
+
+    kind: Literal["numeric"] = "numeric"
+    answer: float
+    abs_tol: float = Field(1e-6, ge=0)
+    rel_tol: float = Field(1e-6, ge=0)
+    extract: EXTRACTIONS = "last_number"
+    """``last_number`` takes the last number in the text; other modes take a span, then its number."""
+
+    @field_validator("answer")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        return check_json(v)
+
+
+class FieldSpec(BaseModel):
+    """One expected field of a ``json_fields`` answer."""
+
+    model_config = ConfigDict(extra="forbid")
+    value: Any
+    """Gold value."""
+    type: Literal["string", "number", "amount", "date", "bool", "exact"] = "string"
+    """How both sides are normalised: ``string`` case/whitespace-folded; ``number``/``amount`` parsed with
+    units, currency, scale words (thousand, million, bn…) and accounting negatives; ``date`` to ISO
+    YYYY-MM-DD from common formats; ``exact`` compared as JSON values."""
+    weight: float = Field(1.0, gt=0)
+    abs_tol: float = Field(0.0, ge=0)
+    rel_tol: float = Field(1e-9, ge=0)
+
+    @field_validator("value")
+    @classmethod
+    def _storable(cls, v: Any) -> Any:
+        return check_json(v)
+
+
+class JsonFieldsSpec(_Spec):
+    """Structured extraction: the response's JSON object (``<answer>`` content, a fenced ```json block
+    or the first balanced ``{…}``) is compared field by field; score = weighted fraction of fields right.
+
+    Field names may be dotted paths into nested objects (``balance_sheet.total_assets``).
+    """
+
+    kind: Literal["json_fields"] = "json_fields"
+    fields: dict[str, FieldSpec] = Field(min_length=1, max_length=1000)
+
+    @field_validator("fields", mode="before")
+    @classmethod
+    def _bare_values(cls, v: Any) -> Any:
+        if isinstance(v, dict):  # {"revenue": 12.5} is {"revenue": {"value": 12.5}}
+            return {k: (f if isinstance(f, dict) and "value" in f else {"value": f}) for k, f in v.items()}
+        return v
+
+
+class GeometrySpec(_Spec):
+    """A scene of primitives checked against constraints (``verifier_service.geometry`` defines both).
+
+    Score = weighted fraction of constraints met (``all_or_nothing``: 1 only when all are met).
+    """
+
+    kind: Literal["geometry"] = "geometry"
+    constraints: list[dict[str, Any]] = Field(min_length=1, max_length=256)
+    all_or_nothing: bool = False
+    tolerance: float = Field(1e-3, ge=0, le=1.0)
+    """Length tolerance (scene units) of contact, containment and overlap checks."""
+
+    @field_validator("constraints")
+    @classmethod
+    def _known(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        from shared.scene import validate_constraint
+
+        check_json(v)
+        for i, c in enumerate(v):
+            try:
+                validate_constraint(c)
+            except ValueError as e:
+                raise ValueError(f"constraint {i}: {e}") from e
+        return v
+
+
+def _flatten_params(v: Any) -> Any:
+    """``{kind, params: {...}, recipe?}`` → ``{kind, ...params, recipe?}`` (both forms are accepted)."""
+    if isinstance(v, dict) and "params" in v:
+        params = v["params"]
+        if not isinstance(params, dict):
+            raise ValueError("params must be an object")
+        clash = sorted(set(params) & (set(v) - {"params"}))
+        if clash:
+            raise ValueError(f"field(s) {clash} given both in params and beside it")
+        return {**{k: x for k, x in v.items() if k != "params"}, **params}
+    return v
+
+
+VerifierSpec = Annotated[
+    Union[ReasoningGymSpec, MathSpec, UnitTestsSpec, ExactSpec, RegexSpec, NumericSpec, JsonFieldsSpec,
+          GeometrySpec],
+    Field(discriminator="kind"),
+    BeforeValidator(_flatten_params),
+]
