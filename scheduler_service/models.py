@@ -120,3 +120,5 @@ class StatusPublic(BaseModel):
     trainer: dict[str, float]
     trainer_step: int | None
     evals: list[EvalRoundPublic]
+    paused_domains: dict[str, str] = Field(default_factory=dict)
+    """Domains whose training groups are not issued, with the reason (resume: ``POST /v1/domains/{d}/resume``)."""

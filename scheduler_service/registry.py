@@ -25,6 +25,8 @@ import orjson
 from shared.config import RunConfig
 from shared.schemas import RewardEvent, Task
 
+_PAUSED_KEY = "paused_domains"
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tasks (
     task_id TEXT PRIMARY KEY,
@@ -236,12 +238,42 @@ class Registry:
         return int(self._one("SELECT COALESCE(SUM(samples), 0) AS s FROM tasks")["s"])
 
     def least_issued_train_tasks(self) -> list[str]:
-        """Ids of the train tasks with the fewest groups issued, sorted (empty when none)."""
+        """Ids of the train tasks of unpaused domains with the fewest groups issued, sorted (empty when none)."""
+        paused = list(self.paused_domains())
+        marks = ",".join("?" * len(paused))
+        active = f"split = 'train' AND domain NOT IN ({marks})"
         rows = self._all(
-            "SELECT task_id FROM tasks WHERE split = 'train' AND groups_issued ="
-            " (SELECT MIN(groups_issued) FROM tasks WHERE split = 'train') ORDER BY task_id"
+            f"SELECT task_id FROM tasks WHERE {active} AND groups_issued ="
+            f" (SELECT MIN(groups_issued) FROM tasks WHERE {active}) ORDER BY task_id", *paused, *paused
         )
         return [r["task_id"] for r in rows]
+
+    # ------------------------------------------------------------ paused domains
+
+    def paused_domains(self) -> dict[str, dict[str, Any]]:
+        """Domains paused because their verifier spec is broken: ``{domain: {"reason", "since", "task_id"}}``."""
+        return self.kv_get(_PAUSED_KEY, {})
+
+    def pause_domain(self, domain: str, reason: str, task_id: str) -> bool:
+        """Stop issuing training groups of ``domain``; False when it was already paused."""
+        with self._tx() as db:
+            row = db.execute("SELECT value FROM kv WHERE key = ?", (_PAUSED_KEY,)).fetchone()
+            paused = orjson.loads(row["value"]) if row else {}
+            if domain in paused:
+                return False
+            paused[domain] = {"reason": reason, "since": time.time(), "task_id": task_id}
+            db.execute("INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)", (_PAUSED_KEY, orjson.dumps(paused).decode()))
+        return True
+
+    def resume_domain(self, domain: str) -> bool:
+        """Issue ``domain``'s groups again; False when it was not paused."""
+        with self._tx() as db:
+            row = db.execute("SELECT value FROM kv WHERE key = ?", (_PAUSED_KEY,)).fetchone()
+            paused = orjson.loads(row["value"]) if row else {}
+            if paused.pop(domain, None) is None:
+                return False
+            db.execute("INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)", (_PAUSED_KEY, orjson.dumps(paused).decode()))
+        return True
 
     def learnable_train_tasks(self) -> list[tuple[str, float]]:
         """``(task_id, pass_rate)`` of train tasks with a pass rate strictly between 0 and 1 and no

@@ -283,6 +283,11 @@ class RewardEvent(Record):
     reward: float
     passed: bool
     infra_error: bool = False
+    misconfigured: bool = False
+    """The verifier found the task's spec itself broken (e.g. the gold answer does not parse): the scheduler
+    pauses the domain and raises an alert (DESIGN.md, "Verification layers")."""
+    reason: str | None = None
+    """Why an infra_error happened (the verifier's ``details.reason``), for the alert."""
     completion_tokens: int
     finish_reason: str
     policy_version: int

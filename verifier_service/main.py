@@ -71,6 +71,8 @@ def reward_event(traj: Trajectory, reward: Reward) -> RewardEvent:
         sample_index=traj.sample_index, group_size=traj.group_size, domain=t.domain, difficulty=t.difficulty,
         purpose=traj.purpose, attempt=traj.attempt, eval_round=traj.eval_round, reward=reward.total,
         passed=reward.total >= 1.0 and not reward.infra_error, infra_error=reward.infra_error,
+        misconfigured=bool(reward.infra_error and reward.details.get("misconfigured")),
+        reason=str(reward.details.get("reason"))[:500] if reward.infra_error else None,
         completion_tokens=len(traj.completion_ids), finish_reason=traj.finish_reason,
         policy_version=traj.behaviour_version,
     )

@@ -1,6 +1,6 @@
 """``/v1/status``, ``/v1/metrics/history`` and ``/healthz``."""
 
-from fastapi import APIRouter
+from fastapi import APIRouter, HTTPException
 
 from scheduler_service.deps import StateDep
 from scheduler_service.models import EvalRoundPublic, MetricsRecord, Staleness, StatusPublic
@@ -30,7 +30,20 @@ def get_status(state: StateDep) -> StatusPublic:
         trainer=last["values"] if last else {},
         trainer_step=last["step"] if last else None,
         evals=[EvalRoundPublic(**r) for r in reg.eval_rounds()],
+        paused_domains={d: v["reason"] for d, v in reg.paused_domains().items()},
     )
+
+
+@router.post("/v1/domains/{domain}/resume")
+def resume_domain(domain: str, state: StateDep) -> dict[str, str]:
+    """Issue a paused domain's training groups again (after its tasks were fixed).
+
+    Raises:
+        HTTPException: 404 when the domain is not paused.
+    """
+    if not state.registry.resume_domain(domain):
+        raise HTTPException(404, f"domain {domain!r} is not paused")
+    return {"domain": domain, "state": "resumed"}
 
 
 @router.get("/v1/metrics/history", response_model=list[MetricsRecord])

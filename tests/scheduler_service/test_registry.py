@@ -147,3 +147,20 @@ def test_learnability_curriculum_replays_at_most_its_share_of_partly_solved_task
     picks = sampler._learnable(4)
     assert len(picks) == 2 and set(picks) <= {"t0", "t1", "t2"} and len(set(picks)) == 2
     assert len(sampler._learnable(6)) == 3  # never more than there are
+
+
+def test_a_paused_domain_gets_no_training_groups_until_resumed(reg):
+    ok = Task(task_id="ok", domain="good", prompt=[{"role": "user", "content": "x"}],
+              verifier={"kind": "exact", "answer": "a"})
+    bad = Task(task_id="bad", domain="broken", prompt=[{"role": "user", "content": "x"}],
+               verifier={"kind": "exact", "answer": "a"})
+    reg.register_tasks([ok, bad])
+    assert reg.least_issued_train_tasks() == ["bad", "ok"]
+    assert reg.pause_domain("broken", "gold answer does not parse", "bad")
+    assert not reg.pause_domain("broken", "again", "bad")  # paused once, first reason kept
+    assert reg.paused_domains()["broken"]["reason"] == "gold answer does not parse"
+    assert reg.least_issued_train_tasks() == ["ok"]
+    reg.issue_train_groups(["ok"], deadline_s=60)
+    assert reg.least_issued_train_tasks() == ["ok"]  # the fewest groups among unpaused domains
+    assert reg.resume_domain("broken") and not reg.resume_domain("broken")
+    assert reg.least_issued_train_tasks() == ["bad"] and reg.paused_domains() == {}

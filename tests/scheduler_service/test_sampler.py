@@ -196,3 +196,31 @@ async def test_oversample_issues_more_groups_per_step(make_config, kafka_cfg, un
         got = await collect(requests, RolloutRequest, lambda r: r.task.task_id in ids, want=3, settle_s=1.5)
         assert len(got) == 3, got
         assert state.registry.train_group_counts() == (3, 3)
+
+
+async def test_a_misconfigured_reward_pauses_its_domain_until_resumed(make_config, kafka_cfg, unique, running, task,
+                                                                      kafka_io):
+    producer, reader = kafka_io
+    dom = f"broken-{unique}"
+    ids = [f"{unique}-b{i}" for i in range(3)]
+    requests = await reader(topics.ROLLOUT_REQUESTS)
+    mine = lambda r: r.task.task_id in ids  # noqa: E731
+    async with running(_cfg(make_config, kafka_cfg, unique)) as (client, state):  # one group per policy version
+        assert (await client.post("/v1/tasks", json={"tasks": [task(t, domain=dom) for t in ids]})).status_code == 202
+        (req,) = await collect(requests, RolloutRequest, mine, want=1, settle_s=0.5)
+        ev = _reward(req, 0, False).model_copy(update={"infra_error": True, "misconfigured": True,
+                                                       "reason": "gold answer '∞∞' does not parse"})
+        await _produce(producer, topics.REWARDS, ev, req.task.task_id)
+        await _produce(producer, topics.REWARDS, _reward(req, 1, False), req.task.task_id)  # the group completes
+        assert await wait_for(lambda: dom in state.registry.paused_domains())
+        st = (await client.get("/v1/status")).json()
+        assert st["paused_domains"] == {dom: "gold answer '∞∞' does not parse"}
+        # a new policy version opens the budget for one more group, but the domain is paused
+        wu = WeightUpdate(model=f"m-{unique}", version=1, step=1, manifest=[], checksum="sha256:x", path="/x")
+        await _produce(producer, topics.WEIGHTS, wu, wu.model)
+        assert await wait_for(lambda: state.registry.policy_version == 1)
+        assert await collect(requests, RolloutRequest, mine, want=1, timeout_s=1.5) == [], "paused, yet issued"
+        assert (await client.post("/v1/domains/nope/resume")).status_code == 404
+        r = await client.post(f"/v1/domains/{dom}/resume")
+        assert r.status_code == 200 and r.json() == {"domain": dom, "state": "resumed"}
+        assert len(await collect(requests, RolloutRequest, mine, want=1)) == 1, "no group after the resume"
