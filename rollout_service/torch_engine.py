@@ -1,10 +1,27 @@
-"""The ``torch`` engine: an in-process transformers model, the CPU default and what the tests use."""
+"""The ``torch`` engine: an in-process transformers model, the CPU default and what the tests use.
+
+Its own decode loop (not ``model.generate``), for three things ``generate`` cannot do:
+
+* **Prefix sharing.** The K samples of a group share one prefill of their prompt: the prompts of a
+  batch are prefilled once each and the key/value cache is expanded K ways
+  (``DynamicCache.batch_select_indices`` with repeated rows), not K prefills.
+* **Interruptible generation.** Between two decode steps the engine can load a newer weight version
+  (:meth:`TorchEngine.request_interrupt`), recompute the cache of every unfinished sequence with the
+  new weights (as AReaL does), and continue: each token records the version that produced it
+  (``Sample.versions``) and its log-prob under that version.
+* **Finished rows leave the batch** (their cache rows are dropped), so a group whose samples stop
+  early does not keep paying for them.
+
+Sampling: ``logits / T``, optional nucleus filtering (``top_p``: the log-probs stay those of the
+unfiltered tempered distribution), multinomial draw; greedy at T = 0 with the raw log-probs.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
 from collections import defaultdict
+from typing import Callable
 
 import torch
 
@@ -14,26 +31,32 @@ from shared.schemas import VersionSpan, WeightUpdate
 
 log = logging.getLogger("rollout.torch")
 
+Loader = Callable[[], int]
+"""Loads newer weights into the engine's model (blocking) and returns their policy version."""
+
 
 class TorchEngine(Engine):
-    """Batched sampling with ``model.generate`` and exact behaviour log-probs.
+    """Batched sampling with exact behaviour log-probs, prefix sharing and interruptible weight updates.
 
-    Requests with equal sampling settings share one left-padded batch; each prompt is repeated
-    ``n`` times. Log-probs come from the raw logits (``output_logits``) scaled by the temperature,
-    so they are the log-probabilities of the distribution actually sampled (``top_p`` < 1 is
-    applied by the sampler but not reflected in the log-probs).
+    Requests with equal sampling settings share one batch. Thread-safety: :meth:`generate`,
+    :meth:`update_weights` and :meth:`load_weights_state` hold one lock; :meth:`request_interrupt`
+    may be called from any thread at any time.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, seed: int = 0) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.eos_ids = self._eos_ids(model, tokenizer)
-        self.pad_id = tokenizer.pad_token_id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.seed = seed
         self.batches = 0
         self.policy_version = 0
         self.max_context = getattr(model.config, "max_position_embeddings", None)
+        self.interrupts = 0
+        """Weight versions loaded in the middle of a generation batch (counter)."""
         self._lock = threading.Lock()
+        self._pending: Loader | None = None
+        self._pending_lock = threading.Lock()
 
     @staticmethod
     def _eos_ids(model, tokenizer) -> set[int]:
@@ -42,6 +65,8 @@ class TorchEngine(Engine):
         if tokenizer.eos_token_id is not None:
             ids.add(tokenizer.eos_token_id)
         return ids
+
+    # ------------------------------------------------------------------ weights
 
     def update_weights(self, update: WeightUpdate) -> None:
         with self._lock:
@@ -56,6 +81,28 @@ class TorchEngine(Engine):
             load_weights_state(self.model, state, f"broadcast v{version}")
             self.policy_version = version
 
+    def request_interrupt(self, loader: Loader) -> None:
+        """Have the running (or next) generation call ``loader`` between two decode steps, then continue
+        every unfinished sequence with the new weights. A later request replaces an unserved one."""
+        with self._pending_lock:
+            self._pending = loader
+
+    def _take_pending(self) -> Loader | None:
+        with self._pending_lock:
+            loader, self._pending = self._pending, None
+            return loader
+
+    def serve_pending(self) -> bool:
+        """Run a requested loader now, outside generation (between batches); True if there was one."""
+        loader = self._take_pending()
+        if loader is None:
+            return False
+        with self._lock:
+            self.policy_version = loader()
+        return True
+
+    # ------------------------------------------------------------------ generation
+
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
         out: list[list[Sample] | None] = [None] * len(requests)
         by_params: dict[tuple, list[int]] = defaultdict(list)
@@ -69,41 +116,103 @@ class TorchEngine(Engine):
                     out[i] = res
         return out  # type: ignore[return-value]
 
+    def _prefill(self, seqs: list[list[int]]):
+        """Forward left-padded ``seqs``; (cache, last-position logits [B, V] float32, attention mask [B, W],
+        next position id per row [B])."""
+        from transformers import DynamicCache
+
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s):] = torch.tensor(s)
+            attn[i, width - len(s):] = 1
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=DynamicCache(),
+                         use_cache=True, logits_to_keep=1)
+        lengths = torch.tensor([len(s) for s in seqs])
+        return out.past_key_values, out.logits[:, -1].float(), attn, lengths
+
     def _generate_batch(self, reqs: list[GenerationRequest], temperature: float, top_p: float,
                         max_new_tokens: int) -> list[list[Sample]]:
         self.batches += 1
         seed = next((r.sampling.seed for r in reqs if r.sampling.seed is not None), None)
-        torch.manual_seed(seed if seed is not None else self.seed * 1_000_003 + self.batches)
-        prompts = [r.prompt_ids for r in reqs for _ in range(r.n)]
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            attn[i, width - len(p):] = 1
+        gen = torch.Generator().manual_seed(seed if seed is not None else self.seed * 1_000_003 + self.batches)
         greedy = temperature == 0.0
-        gen = self.model.generate(
-            input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens,
-            do_sample=not greedy, temperature=None if greedy else temperature, top_p=None if greedy else top_p,
-            top_k=None, min_p=None, eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id,
-            output_logits=True, return_dict_in_generate=True,
-        )
-        new = gen.sequences[:, width:]
-        logits = torch.stack(gen.logits, dim=1).float()  # [N, T, V]
-        if not greedy:
-            logits = logits / temperature
-        lp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-        samples: list[Sample] = []
-        for row, row_lp in zip(new.tolist(), lp.tolist()):
-            cut, reason = len(row), "length"
-            for j, t in enumerate(row):
-                if t in self.eos_ids:
-                    cut, reason = j + 1, "stop"  # the EOS token is part of the completion and trains
-                    break
-            samples.append(Sample(row[:cut], row_lp[:cut], reason,
-                                  [VersionSpan(version=self.policy_version, start=0, end=cut)]))
+        # one prefill per distinct prompt, expanded to its n samples
+        uniq: dict[tuple, int] = {}
+        for r in reqs:
+            uniq.setdefault(tuple(r.prompt_ids), len(uniq))
+        prompts = [list(p) for p in uniq]
+        rows = [uniq[tuple(r.prompt_ids)] for r in reqs for _ in range(r.n)]
+        n_rows = len(rows)
+        cache, logits, attn, lengths = self._prefill(prompts)
+        index = torch.tensor(rows)
+        cache.batch_select_indices(index)
+        logits, attn, next_pos = logits[index], attn[index], lengths[index]
+
+        tokens: list[list[int]] = [[] for _ in range(n_rows)]
+        lps: list[list[float]] = [[] for _ in range(n_rows)]
+        spans: list[list[VersionSpan]] = [[VersionSpan(version=self.policy_version, start=0, end=0)]
+                                          for _ in range(n_rows)]
+        finish = ["length"] * n_rows
+        active = list(range(n_rows))  # original row of each live batch row
+        eos = torch.tensor(sorted(self.eos_ids)) if self.eos_ids else None
+        for _step in range(max_new_tokens):
+            if greedy:
+                logp = torch.log_softmax(logits, -1)
+                tok = logp.argmax(-1)
+            else:
+                logp = torch.log_softmax(logits / temperature, -1)
+                probs = logp.exp()
+                if top_p < 1.0:
+                    probs = _nucleus(probs, top_p)
+                tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
+            tok_lp = logp.gather(-1, tok[:, None])[:, 0]
+            done = torch.isin(tok, eos) if eos is not None else torch.zeros_like(tok, dtype=torch.bool)
+            for j, row in enumerate(active):
+                tokens[row].append(int(tok[j]))
+                lps[row].append(float(tok_lp[j]))
+                if done[j]:
+                    finish[row] = "stop"  # the EOS token is part of the completion and trains
+            keep = (~done).nonzero()[:, 0]
+            if len(keep) == 0 or _step == max_new_tokens - 1:
+                break
+            if len(keep) < len(active):  # finished rows leave the batch
+                cache.batch_select_indices(keep)
+                attn, next_pos, tok = attn[keep], next_pos[keep], tok[keep]
+                active = [active[int(k)] for k in keep]
+            loader = self._take_pending()
+            if loader is not None:  # interrupt: new weights, recompute the cache of the live sequences
+                version = loader()
+                self.policy_version = version
+                self.interrupts += 1
+                for row in active:
+                    spans[row][-1] = spans[row][-1].model_copy(update={"end": len(tokens[row])})
+                    spans[row].append(VersionSpan(version=version, start=len(tokens[row]), end=len(tokens[row])))
+                cache, logits, attn, next_pos = self._prefill([prompts[rows[row]] + tokens[row] for row in active])
+                continue
+            attn = torch.cat([attn, torch.ones(len(active), 1, dtype=attn.dtype)], dim=1)
+            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+                             cache=cache, use_cache=True)
+            cache, logits, next_pos = out.past_key_values, out.logits[:, -1].float(), next_pos + 1
+        samples = []
+        for row in range(n_rows):
+            vs = spans[row]
+            vs[-1] = vs[-1].model_copy(update={"end": len(tokens[row])})
+            vs = [s for s in vs if s.end > s.start] or [vs[-1]]
+            samples.append(Sample(tokens[row], lps[row], finish[row], vs))
         grouped, k = [], 0
         for r in reqs:
             grouped.append(samples[k:k + r.n])
             k += r.n
         return grouped
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``probs`` [B, V] with everything outside the smallest set of mass ≥ ``top_p`` zeroed (Holtzman et al.
+    2020); the most likely token always stays."""
+    sorted_p, order = probs.sort(-1, descending=True)
+    drop = sorted_p.cumsum(-1) - sorted_p > top_p
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter(-1, order, sorted_p)

@@ -29,7 +29,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-MAX_PRIMITIVES = 1000
+MAX_PRIMITIVES = 256
+MAX_COORD = 1e6
+"""Largest magnitude of a coordinate or dimension (scene units): keeps every volume and distance finite."""
 SHAPES = ("box", "sphere", "cylinder")
 _CONSTRAINT_KEYS = {
     "count": ({"min", "max", "shape"}, set()),
@@ -85,8 +87,8 @@ class Primitive:
 
 
 def _num(v: Any, what: str, positive: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise SceneError(f"{what} must be a finite number, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or abs(v) > MAX_COORD:
+        raise SceneError(f"{what} must be a number within ±{MAX_COORD:g}, got {v!r}")
     if positive and v <= 0:
         raise SceneError(f"{what} must be > 0, got {v!r}")
     return float(v)
@@ -116,6 +118,11 @@ def parse_scene(data: Any) -> list[Primitive]:
         shape = p.get("type")
         if shape not in SHAPES:
             raise SceneError(f"primitive {i}: type must be one of {list(SHAPES)}, got {shape!r}")
+        allowed = {"type", "center", "size"} if shape == "box" else {"type", "center", "radius"} | (
+            {"height"} if shape == "cylinder" else set())
+        extra = sorted(set(p) - allowed)
+        if extra:
+            raise SceneError(f"primitive {i} ({shape}): unknown key(s) {extra}")
         center = _vec(p.get("center"), f"primitive {i} center")
         if shape == "box":
             out.append(Primitive("box", center, size=_vec(p.get("size"), f"primitive {i} size", positive=True)))
@@ -162,7 +169,7 @@ def validate_constraint(c: Any) -> None:
         raise ValueError(f"missing key(s) {missing} for {kind!r}")
     try:
         if "weight" in c:
-            _num(c["weight"], "weight", positive=True)
+            _num(c["weight"], "weight", positive=True)  # at most 1e6: sums of weights stay finite
         if kind == "inside":
             lo, hi = _vec(c["min"], "min"), _vec(c["max"], "max")
             if any(a > b for a, b in zip(lo, hi)):
@@ -173,6 +180,8 @@ def validate_constraint(c: Any) -> None:
                     _num(c[k], k)
         if kind == "count" and c.get("shape") not in (None, *SHAPES):
             raise ValueError(f"shape must be one of {list(SHAPES)} or null")
+        if c.get("min") is not None and c.get("max") is not None and kind != "inside" and c["min"] > c["max"]:
+            raise ValueError("min must be <= max")
     except SceneError as e:
         raise ValueError(str(e)) from e
 
@@ -297,8 +306,12 @@ def check_constraint(c: dict[str, Any], prims: list[Primitive], tol: float) -> t
 def score_scene(prims: list[Primitive], constraints: list[dict[str, Any]], tol: float) -> tuple[float, list[dict]]:
     """Weighted fraction of ``constraints`` met by ``prims`` in [0, 1], and one result per constraint."""
     results, got, total = [], 0.0, 0.0
+    seen: dict[str, tuple[bool, str]] = {}
     for c in constraints:
-        ok, why = check_constraint(c, prims, tol)
+        key = repr(sorted((k, repr(v)) for k, v in c.items() if k != "weight"))
+        if key not in seen:  # a spec may repeat an O(n²) check: compute it once
+            seen[key] = check_constraint(c, prims, tol)
+        ok, why = seen[key]
         w = float(c.get("weight", 1.0))
         total += w
         got += w if ok else 0.0

@@ -9,14 +9,14 @@ the rollout's tool loop executes the calls.
 
 from __future__ import annotations
 
-import re
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
+_DECODER = json.JSONDecoder()
 
 
 @dataclass
@@ -30,34 +30,49 @@ class ToolCall:
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Every ``<tool_call>…</tool_call>`` in ``text`` in order, plus one malformed entry for an
-    opening tag that is never closed. Never raises."""
+    """Every ``<tool_call>…</tool_call>`` in ``text`` in order; a malformed one (not a JSON object with a
+    string ``name`` and object ``arguments``, or never closed) comes back with ``error`` set. The JSON
+    is decoded from the opening tag, so ``</tool_call>`` inside a string argument does not end the call.
+    Never raises; linear in the text."""
     calls: list[ToolCall] = []
-    end = 0
-    for m in _CALL.finditer(text):
-        end = m.end()
-        raw = m.group(1).strip()
+    i = 0
+    while (a := text.find(OPEN, i)) >= 0:
+        j = a + len(OPEN)
+        while j < len(text) and text[j].isspace():
+            j += 1
         try:
-            obj = orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
-            calls.append(ToolCall(None, raw=raw, error=f"not valid JSON: {e}"))
+            obj, end = _DECODER.raw_decode(text, j)
+        except (json.JSONDecodeError, RecursionError) as e:
+            close = text.find(CLOSE, j)
+            raw = text[j:close if close >= 0 else j + 200]
+            why = "<tool_call> is never closed" if close < 0 else f"not valid JSON: {e}"
+            calls.append(ToolCall(None, raw=raw[:2000], error=why))
+            if close < 0:
+                break
+            i = close + len(CLOSE)
             continue
-        if not isinstance(obj, dict):
-            calls.append(ToolCall(None, raw=raw, error="not a JSON object"))
-            continue
-        name, args = obj.get("name"), obj.get("arguments", {})
-        extra = sorted(set(obj) - {"name", "arguments"})
-        if not isinstance(name, str) or not name:
-            calls.append(ToolCall(None, raw=raw, error="no string 'name'"))
-        elif not isinstance(args, dict):
-            calls.append(ToolCall(name, raw=raw, error="'arguments' is not a JSON object"))
-        elif extra:
-            calls.append(ToolCall(name, args, raw=raw, error=f"unknown key(s) {extra}"))
-        else:
-            calls.append(ToolCall(name, args, raw=raw))
-    if OPEN in text[end:]:
-        calls.append(ToolCall(None, raw=text[text.index(OPEN, end):][:200], error="<tool_call> is never closed"))
+        raw = text[j:end]
+        k = end
+        while k < len(text) and text[k].isspace():
+            k += 1
+        closed = text.startswith(CLOSE, k)
+        i = k + len(CLOSE) if closed else end
+        calls.append(_check(obj, raw[:2000], None if closed else "no </tool_call> right after the JSON"))
     return calls
+
+
+def _check(obj: object, raw: str, error: str | None) -> ToolCall:
+    if not isinstance(obj, dict):
+        return ToolCall(None, raw=raw, error=error or "not a JSON object")
+    name, args = obj.get("name"), obj.get("arguments", {})
+    extra = sorted(set(obj) - {"name", "arguments"})
+    if not isinstance(name, str) or not name:
+        return ToolCall(None, raw=raw, error=error or "no string 'name'")
+    if not isinstance(args, dict):
+        return ToolCall(name, raw=raw, error=error or "'arguments' is not a JSON object")
+    if extra:
+        return ToolCall(name, args, raw=raw, error=error or f"unknown key(s) {extra}")
+    return ToolCall(name, args, raw=raw, error=error)
 
 
 def format_tool_call(name: str, arguments: dict[str, Any]) -> str:

@@ -51,8 +51,12 @@ class FormatRule(BaseModel):
             check_json(v)
             try:
                 jsonschema.Draft202012Validator.check_schema(v)
+                for probe in (None, {}, [], "", 0):  # reach every $ref: one that cannot resolve fails here
+                    list(jsonschema.Draft202012Validator(v).iter_errors(probe))
             except jsonschema.SchemaError as e:
                 raise ValueError(f"not a valid JSON Schema: {e.message}") from e
+            except Exception as e:  # noqa: BLE001 - unresolvable $ref and the like
+                raise ValueError(f"JSON Schema cannot be applied: {type(e).__name__}: {e}") from e
         return v
 
 
@@ -152,8 +156,8 @@ class Recipe(BaseModel):
         missing = sorted(named - present)
         if missing:
             raise ValueError(f"component(s) {missing} are gated or weighted but no rule or judge computes them")
-        if any(w < 0 for w in self.weights.values()) or not any(w > 0 for w in self.weights.values()):
-            raise ValueError("weights must be >= 0 with at least one > 0")
+        if any(not 0 <= w <= 1e6 for w in self.weights.values()) or not any(w > 0 for w in self.weights.values()):
+            raise ValueError("weights must be between 0 and 1e6 with at least one > 0")
         return self
 
 
@@ -181,7 +185,19 @@ class ReasoningGymSpec(_Spec):
     @field_validator("entry")
     @classmethod
     def _storable(cls, v: dict[str, Any]) -> dict[str, Any]:
-        return check_json(v)
+        check_json(v)
+        if not isinstance(v.get("answer"), str):
+            raise ValueError("entry needs 'answer', the dataset's gold answer as a string")
+        return v
+
+    @field_validator("dataset")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        from reasoning_gym.factory import DATASETS
+
+        if v not in DATASETS:
+            raise ValueError(f"unknown reasoning-gym dataset {v!r}")
+        return v
 
 
 class MathSpec(_Spec):
@@ -257,16 +273,18 @@ class NumericSpec(_Spec):
     """
 
     kind: Literal["numeric"] = "numeric"
-    answer: float
-    abs_tol: float = Field(1e-6, ge=0)
-    rel_tol: float = Field(1e-6, ge=0)
+    answer: float = Field(allow_inf_nan=False)
+    abs_tol: float = Field(1e-6, ge=0, allow_inf_nan=False)
+    rel_tol: float = Field(1e-6, ge=0, allow_inf_nan=False)
     extract: EXTRACTIONS = "last_number"
     """``last_number`` takes the last number in the text; other modes take a span, then its number."""
 
-    @field_validator("answer")
+    @field_validator("answer", mode="before")
     @classmethod
-    def _finite(cls, v: float) -> float:
-        return check_json(v)
+    def _not_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError("answer must be a number, not a boolean")
+        return v
 
 
 class FieldSpec(BaseModel):
@@ -279,14 +297,38 @@ class FieldSpec(BaseModel):
     """How both sides are normalised: ``string`` case/whitespace-folded; ``number``/``amount`` parsed with
     units, currency, scale words (thousand, million, bn…) and accounting negatives; ``date`` to ISO
     YYYY-MM-DD from common formats; ``exact`` compared as JSON values."""
-    weight: float = Field(1.0, gt=0)
-    abs_tol: float = Field(0.0, ge=0)
-    rel_tol: float = Field(1e-9, ge=0)
+    weight: float = Field(1.0, gt=0, le=1e6)
+    abs_tol: float = Field(0.0, ge=0, allow_inf_nan=False)
+    rel_tol: float = Field(1e-9, ge=0, allow_inf_nan=False)
+    day_first: bool = False
+    """``date``: read ``03/04/2024`` as 3 April."""
 
-    @field_validator("value")
+    @model_validator(mode="before")
     @classmethod
-    def _storable(cls, v: Any) -> Any:
-        return check_json(v)
+    def _infer_type(cls, data: Any) -> Any:
+        """A gold given as a number (or boolean) without a ``type`` is compared as one, not as text."""
+        if isinstance(data, dict) and "type" not in data:
+            v = data.get("value")
+            if isinstance(v, bool):
+                data = {**data, "type": "bool"}
+            elif isinstance(v, (int, float)):
+                data = {**data, "type": "number"}
+        return data
+
+    @model_validator(mode="after")
+    def _gold_is_readable(self) -> "FieldSpec":
+        from verifier_service.extract import normalise_date, parse_number
+
+        check_json(self.value)
+        amount = self.type == "amount"
+        if self.type in ("number", "amount") and parse_number(self.value, amount, single=True, accounting=amount) is None:
+            raise ValueError(f"gold {self.value!r} is not a single number, so no answer could match it")
+        if self.type == "date" and normalise_date(self.value, self.day_first) is None:
+            raise ValueError(f"gold {self.value!r} is not a valid date, so no answer could match it")
+        if self.type == "bool" and not (isinstance(self.value, bool)
+                                        or str(self.value).strip().lower() in ("true", "false", "yes", "no")):
+            raise ValueError(f"gold {self.value!r} is not a boolean")
+        return self
 
 
 class JsonFieldsSpec(_Spec):

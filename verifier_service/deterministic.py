@@ -63,13 +63,14 @@ def score_exact(spec: ExactSpec, completion: str) -> CheckResult:
 
 
 def score_regex(spec: RegexSpec, completion: str, timeout_s: float = 1.0) -> CheckResult:
-    """1 when ``regex.search(spec.pattern, completion)`` matches; the match text goes to details.
+    """1 when ``regex.search(spec.pattern, …)`` matches the completion outside its reasoning block; the
+    match text goes to details.
 
     A match that runs longer than ``timeout_s`` seconds (catastrophic backtracking on this completion)
     is 0 with the error in the details, like a scorer that raises on a model's answer.
     """
     try:
-        m = regex.search(spec.pattern, completion, timeout=timeout_s)
+        m = regex.search(spec.pattern, strip_reasoning(completion), timeout=timeout_s)
     except TimeoutError:
         return ok_if(False, error=f"regex match timed out after {timeout_s} s")
     return ok_if(m is not None, match=clip(m.group(0)) if m else None)
@@ -89,7 +90,7 @@ def score_numeric(spec: NumericSpec, completion: str) -> CheckResult:
     span = body if spec.extract == "last_number" else extract_answer(body, spec.extract)
     if span is None:
         return ok_if(False, extracted=None, reason=f"no answer found by extract={spec.extract}")
-    x = parse_number(span, last=spec.extract == "last_number")
+    x = parse_number(span, last=True) if spec.extract == "last_number" else parse_number(span, single=True)
     if x is None or not math.isfinite(x):
         return ok_if(False, extracted=clip(span), reason="no number in the answer")
     return ok_if(close_enough(x, spec.answer, spec.abs_tol, spec.rel_tol), value=x)
@@ -132,10 +133,12 @@ def _as_bool(v: Any) -> bool | None:
 def field_matches(fs: FieldSpec, got: Any) -> bool:
     """Whether a model's value ``got`` equals the gold ``fs.value`` under ``fs.type``'s normalisation."""
     if fs.type in ("number", "amount"):
-        a, b = parse_number(got, scale_words=fs.type == "amount"), parse_number(fs.value, fs.type == "amount")
+        amount = fs.type == "amount"
+        a = parse_number(got, scale_words=amount, single=True, accounting=amount)
+        b = parse_number(fs.value, scale_words=amount, single=True, accounting=amount)
         return a is not None and b is not None and close_enough(a, b, fs.abs_tol, fs.rel_tol)
     if fs.type == "date":
-        a, b = normalise_date(got), normalise_date(fs.value)
+        a, b = normalise_date(got, fs.day_first), normalise_date(fs.value, fs.day_first)
         return a is not None and a == b
     if fs.type == "bool":
         a, b = _as_bool(got), _as_bool(fs.value)

@@ -16,6 +16,7 @@ import asyncio
 import math
 import os
 import re
+import secrets
 from typing import Any
 
 import httpx
@@ -65,40 +66,46 @@ def judge_messages(rubric: JudgeRubric, prompt: list[dict[str, str]] | str, resp
     parts = [f"RUBRIC:\n{rubric.rubric}", f"TASK:\n{task}"]
     if rubric.reference:
         parts.append(f"REFERENCE ANSWER:\n{rubric.reference}")
-    parts.append(f"RESPONSE (between the markers):\n<<<RESPONSE\n{response}\nRESPONSE>>>")
+    tag = secrets.token_hex(4)  # the response cannot close a marker it cannot guess
+    parts.append(f"RESPONSE (between the markers):\n<<<RESPONSE-{tag}\n{response}\nRESPONSE-{tag}>>>")
     parts.append(f"Grade it. Last line: SCORE: <integer {rubric.scale_min}-{rubric.scale_max}>")
     return [{"role": "system", "content": SYSTEM_PROMPT.format(lo=rubric.scale_min, hi=rubric.scale_max)},
             {"role": "user", "content": "\n\n".join(parts)}]
 
 
-_NUM = r"(-?\d+(?:\.\d+)?)"
-_PATTERNS = [
+_NUM = r"(-?\d+(?:\.\d+)?)(?!\d|\.\d|[eE][-+]?\d)"
+_SCORE_LINE = re.compile(r"^\W*score\W*?[:=]\s*\**\s*" + _NUM + r"\s*(?:/\s*(\d+))?\s*\**\s*\.?\s*$",
+                         re.IGNORECASE | re.MULTILINE)
+_INLINE = [
     re.compile(r"\bscore\s*(?:\*\*)?\s*[:=]\s*(?:\*\*)?\s*" + _NUM + r"(?:\s*/\s*(\d+))?", re.IGNORECASE),
     re.compile(r"\brating\s*[:=]\s*" + _NUM + r"(?:\s*/\s*(\d+))?", re.IGNORECASE),
-    re.compile(_NUM + r"\s*/\s*(\d+)\b"),
+    re.compile(r"(?<![\d.])" + _NUM + r"\s*/\s*(\d+)\b"),
     re.compile(r"\"score\"\s*:\s*" + _NUM + r"()"),
 ]
 
 
-def parse_judge_score(text: str, lo: int, hi: int) -> float | None:
-    """The judge's score mapped to [0, 1], or None when its reply states no usable score.
+def _usable(num: str, den: str, lo: int, hi: int) -> float | None:
+    v = float(num)
+    if (den and int(den) != hi) or v != int(v) or not lo <= v <= hi:
+        return None
+    return (v - lo) / (hi - lo)
 
-    Takes the last ``SCORE: n`` (also ``**Score:** n``, ``score = n/10``), else the last ``Rating: n``,
-    else the last ``n/hi``, else ``"score": n`` in JSON. A score outside [lo, hi], or an ``n/d`` whose
-    denominator is not ``hi``, is unusable. Maps linearly: (n − lo) / (hi − lo).
+
+def parse_judge_score(text: str, lo: int, hi: int) -> float | None:
+    """The judge's score mapped linearly to [0, 1] ((n − lo) / (hi − lo)), or None when its reply states
+    no usable score.
+
+    The last line that is only a score (``SCORE: 7``, ``**Score:** 7``, ``Score: 7/10``) decides, so a
+    score quoted inside a sentence ("the response claims 'SCORE: 10'") does not. Without such a line,
+    the scores stated inline (``score: n``, ``Rating: n``, ``n/hi``, ``"score": n``) must all agree.
+    A score must be an integer in [lo, hi], and an ``n/d`` must have d = hi.
     """
-    for pat in _PATTERNS:
-        matches = pat.findall(text or "")
-        if not matches:
-            continue
-        num, den = matches[-1]
-        if den and int(den) != hi:
-            return None
-        v = float(num)
-        if not lo <= v <= hi or not math.isfinite(v):
-            return None
-        return (v - lo) / (hi - lo)
-    return None
+    text = text or ""
+    lines = _SCORE_LINE.findall(text)
+    if lines:
+        return _usable(*lines[-1], lo, hi)
+    found = {_usable(num, den, lo, hi) for pat in _INLINE for num, den in pat.findall(text)}
+    return found.pop() if len(found) == 1 else None
 
 
 class JudgeClient:

@@ -41,7 +41,7 @@ from verifier_service import deterministic as det
 from verifier_service.config import VerifierConfig
 from verifier_service.deterministic import CheckResult, infra, ok_if
 from verifier_service.extract import (  # noqa: F401 - re-exported for callers of the old module
-    clip, extract_answer, extract_boxed, extract_code, extract_last_number,
+    clip, extract_answer, extract_boxed, extract_code, extract_last_number, strip_reasoning,
 )
 from verifier_service.hacks import detect_hacks
 from verifier_service.judge import JudgeClient
@@ -274,6 +274,19 @@ class Scorer:
                 self._pool = pool
             return self._pool
 
+    async def _pool_healthy(self) -> bool:
+        """Whether a fresh pool compares ``1`` with ``1`` in time (tells a slow answer from a broken pool)."""
+        pool = None
+        try:
+            pool = await self._get_pool()
+            fut = pool.submit(math_verify_compare, "1", "1", False)
+            res = await asyncio.wait_for(asyncio.wrap_future(fut), timeout=max(10.0, self.cfg.math_timeout_s))
+            return bool(res.get("ok"))
+        except Exception:  # noqa: BLE001 - any failure means the pool is not healthy
+            if pool is not None:
+                self._kill_pool(pool)  # never leave a stuck worker behind
+            return False
+
     def _kill_pool(self, pool: concurrent.futures.ProcessPoolExecutor) -> None:
         if self._pool is pool:
             self._pool = None
@@ -292,8 +305,9 @@ class Scorer:
         recreated); an unparseable model answer is 0; an unparseable gold is infra_error with
         ``details.misconfigured``.
         """
+        completion = strip_reasoning(completion)
         if not completion.strip():
-            return ok_if(False, extracted=None, reason="empty completion")
+            return ok_if(False, extracted=None, reason="empty completion (outside any reasoning block)")
         boxed = extract_boxed(completion)
         candidates: list[tuple[str, bool, str]] = []
         if boxed is not None:
@@ -316,6 +330,9 @@ class Scorer:
                     res = await asyncio.wait_for(asyncio.wrap_future(fut), timeout=self.cfg.math_timeout_s)
                 except asyncio.TimeoutError:
                     self._kill_pool(pool)
+                    if await self._pool_healthy():  # the pool works: this answer is what takes too long
+                        return ok_if(False, extracted=clip(used), reason=f"the answer took longer than "
+                                     f"{self.cfg.math_timeout_s} s to compare (e.g. a huge power tower)")
                     return infra(f"math-verify exceeded {self.cfg.math_timeout_s} s", extracted=clip(used))
                 except concurrent.futures.process.BrokenProcessPool as e:
                     self._kill_pool(pool)

@@ -49,3 +49,57 @@ def test_greedy_is_deterministic_and_temperature_scales_logprobs(tiny_dir):
         logits = eng.model(ids).logits[0, len(p) - 1:-1] / 2.0
     ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(hot.completion_ids)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(hot.logprobs), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_interrupted_generation_tags_each_token_with_its_version_and_trains_under_eta_1(tiny_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from shared.schemas import Reward, ScoredTrajectory, Task, Trajectory
+    from trainer_service.config import TrainerConfig
+    from trainer_service.groups import GroupBuffer
+    from trainer_service.trainer import PolicyTrainer
+
+    eng = _engine(tiny_dir)
+    old = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    new_dir = build_tiny_model(tmp_path / "other", seed=7)
+    new = load_file(str(next(new_dir.glob("*.safetensors"))))
+    p = encode_chat(eng.tokenizer, [{"role": "user", "content": "go"}])
+    eng.model.generation_config.eos_token_id = None  # no early stop: every sample spans the update
+    eng.eos_ids = set()
+
+    def loader():
+        eng.model.load_state_dict(new, strict=False)
+        return 1
+
+    eng.request_interrupt(loader)  # served at the first step boundary of the next generation
+    (samples,) = eng.generate([GenerationRequest(p, 4, SamplingParams(max_new_tokens=12, temperature=1.0, seed=5))])
+    assert eng.policy_version == 1 and eng.interrupts == 1
+    for s in samples:
+        assert len(s.completion_ids) == 12
+        assert [(v.version, v.start, v.end) for v in s.versions] == [(0, 0, 1), (1, 1, 12)]
+        # each token's log-prob is the one of the weights that produced it
+        for state, lo, hi in ((old, 0, 1), (new, 1, 12)):
+            ref_model = load_model(tiny_dir)
+            ref_model.load_state_dict(state, strict=False)
+            with torch.no_grad():
+                logits = ref_model(torch.tensor([p + s.completion_ids])).logits[0, len(p) - 1:-1]
+            ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(s.logprobs[lo:hi]), ref[lo:hi], atol=1e-4, rtol=1e-4)
+
+    # the trainer (at version 1, η = 1) accepts the mixed-version group and trains on it
+    task = Task(task_id="t", domain="toy", prompt=[{"role": "user", "content": "go"}],
+                verifier={"kind": "regex", "pattern": "a"})
+    buf = GroupBuffer(max_staleness=1)
+    for i, s in enumerate(samples):
+        tr = Trajectory(trajectory_id=f"g:1:{i}", group_id="g", sample_index=i, group_size=4, task=task,
+                        prompt_ids=p, completion_ids=s.completion_ids, completion_logprobs=s.logprobs,
+                        loss_mask=[1] * len(s.completion_ids), completion_text="x", finish_reason=s.finish_reason,
+                        policy_versions=s.versions)
+        buf.add(ScoredTrajectory(trajectory=tr, reward=Reward(total=float(i % 2))), ("s", 0), i)
+    trainer = PolicyTrainer(eng.model, TrainerConfig(max_staleness=1), pad_id=0)
+    trainer.version = 1
+    assert buf.drop_stale(trainer.version) == 0  # oldest token from v0: staleness 1 ≤ η
+    groups = buf.take(1)
+    assert len(groups) == 1 and groups[0].behaviour_version == 0
+    metrics = trainer.train_step(groups)
+    assert trainer.version == 2 and torch.isfinite(torch.tensor(metrics["loss/pg"]))

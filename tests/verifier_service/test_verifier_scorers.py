@@ -101,8 +101,13 @@ def test_reasoning_gym_scorer_raising_on_model_answer_is_zero_with_error():
     assert "ValueError" in r.details["error"] and r.details["extracted"] == "garbage"
 
 
-def test_reasoning_gym_unknown_dataset_is_flagged_not_zero():
-    r = score_reasoning_gym(ReasoningGymSpec(dataset="no_such_dataset_xyz", entry={}), "1")
+def test_reasoning_gym_unknown_dataset_is_refused_and_a_broken_one_flagged_not_zero():
+    with pytest.raises(ValueError, match="unknown reasoning-gym dataset"):
+        ReasoningGymSpec(dataset="no_such_dataset_xyz", entry={"answer": "1"})
+    with pytest.raises(ValueError, match="entry needs 'answer'"):
+        ReasoningGymSpec(dataset="chain_sum", entry={})
+    # composite exists but cannot be created without a list of datasets: our misconfiguration
+    r = score_reasoning_gym(ReasoningGymSpec(dataset="composite", entry={"answer": "1"}), "1")
     assert r.infra_error and r.details["misconfigured"]
 
 

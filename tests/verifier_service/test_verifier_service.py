@@ -160,7 +160,7 @@ async def test_service_runs_domain_recipes_counts_hacks_and_gates_and_calibrates
                 _domain_traj(unique, 2, geo, get("geometry").gold(geo), finish_reason="length"),
                 _domain_traj(unique, 3, fin, get("financial_extraction").gold(fin) + " <answer>{}</answer>"),
                 _domain_traj(unique, 4, {**fin, "domain": "broken", "verifier": {
-                    "kind": "reasoning_gym", "dataset": "no_such_generator", "entry": {"answer": "1"}}}, "1"),
+                    "kind": "reasoning_gym", "dataset": "composite", "entry": {"answer": "1"}}}, "1"),
             ]
             for t in trajs:
                 await (await send(producer, topics.TRAJECTORIES, t, t.group_id))
@@ -186,5 +186,5 @@ async def test_service_runs_domain_recipes_counts_hacks_and_gates_and_calibrates
     assert "multiple_answers" in r[f"{unique}:3"].details["hacks"]
     assert metrics and judge[0].values["judge/accuracy"] == 1.0 and judge[0].values["judge/n"] == 2
     ev = {e.trajectory_id: e for e in events}
-    assert ev[f"{unique}:4"].misconfigured and "no_such_generator" in ev[f"{unique}:4"].reason  # the domain pauses
+    assert ev[f"{unique}:4"].misconfigured and "composite" in ev[f"{unique}:4"].reason  # the domain pauses
     assert not ev[f"{unique}:0"].misconfigured and ev[f"{unique}:0"].reason is None
