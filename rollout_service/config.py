@@ -23,6 +23,10 @@ class RolloutConfig(BaseModel):
     """``torch.set_num_threads`` for this process; two cores must not be oversubscribed."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Weights dtype of the torch engine."""
+    weight_update_policy: Literal["finish", "interrupt"] = "finish"
+    """A weight version announced mid-generation: ``finish`` the batch, then load it; or ``interrupt``:
+    load it between two decode steps and continue the unfinished samples with it (engines that support
+    it; each token records its version, and the trainer's staleness bound counts the oldest)."""
     weight_poll_s: float = Field(0.5, gt=0, le=60)
     """How often to look for a newer weight version while waiting for ``min_policy_version`` (seconds)."""
     seed: int = 0

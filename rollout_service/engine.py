@@ -65,5 +65,10 @@ class Engine(abc.ABC):
             FileNotFoundError, ValueError: the version cannot be loaded (missing, bad checksum).
         """
 
+    def interrupt_with(self, update: WeightUpdate) -> bool:
+        """Load ``update`` between two decode steps of the running generation (or before the next one) and
+        continue with it; returns False when the engine cannot (it then loads between batches)."""
+        return False
+
     def close(self) -> None:
         """Release resources (default: nothing)."""

@@ -227,6 +227,8 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
     follower = asyncio.create_task(watcher.follow(weights, stop))
     bfollow = BroadcastFollower(config, engine, watcher) if config.trainer.weight_transport == "distributed" else None
     bcast = asyncio.create_task(bfollow.run(stop)) if bfollow is not None else None
+    interrupter = (asyncio.create_task(_interrupt_on_new_weights(engine, watcher, stop))
+                   if cfg.weight_update_policy == "interrupt" else None)
     stats = {"rollout/samples": 0.0, "rollout/tokens": 0.0, "rollout/generate_s": 0.0}
     first_token_version = engine.policy_version
     last_metrics = time.monotonic()
@@ -260,15 +262,30 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
         stop.set()
         follower.cancel()
         await asyncio.gather(follower, return_exceptions=True)
-        if bcast is not None:
-            bcast.cancel()
-            await asyncio.gather(bcast, return_exceptions=True)
+        for t in (bcast, interrupter):
+            if t is not None:
+                t.cancel()
+                await asyncio.gather(t, return_exceptions=True)
         for c in (requests, weights, producer):
             try:
                 await asyncio.wait_for(c.stop(), 10)
             except Exception:  # noqa: BLE001 - best effort
                 log.exception("error closing %s", c)
         engine.close()
+
+
+async def _interrupt_on_new_weights(engine: Engine, watcher: WeightWatcher, stop: asyncio.Event) -> None:
+    """``weight_update_policy: interrupt``: hand every newer announced version to the engine at once, to
+    be loaded between two decode steps of the running batch (the loop's :func:`apply_newest` still loads
+    it between batches if the engine cannot)."""
+    asked = engine.policy_version
+    while not stop.is_set():
+        upd = watcher.newest
+        if upd is not None and upd.version > max(asked, engine.policy_version):
+            if engine.interrupt_with(upd):
+                asked = upd.version
+                log.info("policy version %d: interrupting generation to load it", upd.version)
+        await asyncio.sleep(0.05)  # polls: the loop's own waits own watcher.changed
 
 
 async def _take_requests(consumer, producer, max_requests: int, max_samples: int):

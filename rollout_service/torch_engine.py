@@ -87,6 +87,14 @@ class TorchEngine(Engine):
         with self._pending_lock:
             self._pending = loader
 
+    def interrupt_with(self, update: WeightUpdate) -> bool:
+        def loader() -> int:
+            load_weights(self.model, update)
+            return update.version
+
+        self.request_interrupt(loader)
+        return True
+
     def _take_pending(self) -> Loader | None:
         with self._pending_lock:
             loader, self._pending = self._pending, None

@@ -264,10 +264,12 @@ class Sampler:
         ev = await decode_or_dead_letter(self.state.producer, msg, RewardEvent, self.name)
         if ev is None:
             return
-        if ev.misconfigured and self.registry.pause_domain(ev.domain, ev.reason or "misconfigured", ev.task_id):
+        outcome = self.registry.record_reward(ev)
+        # only events of this registry's groups (another deployment's tasks are not ours to pause)
+        if ev.misconfigured and outcome.new and self.registry.pause_domain(ev.domain, ev.reason or "misconfigured",
+                                                                           ev.task_id):
             log.error("ALERT domain %r paused: the verifier reports its spec is broken (task %s: %s); fix the tasks, "
                       "then POST /v1/domains/%s/resume", ev.domain, ev.task_id, ev.reason, ev.domain)
-        outcome = self.registry.record_reward(ev)
         self.state.stats.on_reward(ev, outcome, self.registry.policy_version)
         if outcome.completed:
             log.info("group %s complete", ev.group_id)

@@ -143,3 +143,20 @@ def test_weights_travel_by_broadcast_and_the_file_stays_the_fallback(tiny, tmp_p
     log = (Path(rep["run_dir"]) / "logs" / "rollout.log").read_text()
     assert "(broadcast)" in log and "registered for weight broadcasts" in log
     assert rep["eval"]["after"]["policy_version"] == 8
+
+
+def test_interrupting_generation_for_new_weights_runs_end_to_end(tiny, tmp_path):
+    """``rollout.weight_update_policy: interrupt``: versions load mid-generation, the trajectories carry
+    tokens of two versions, and training goes on and learns."""
+    report = tmp_path / "report.json"
+    _flywheel("run", str(ROOT / "examples/toy.yaml"), "--set", f"model.name={tiny}", "--set",
+              f"run.dir={tmp_path / 'runs'}", "--set", "rollout.weight_update_policy=interrupt", "--set",
+              "scheduler.max_tokens=48", "--set", "trainer.max_steps=10", "--report", str(report),
+              "--timeout", "300", cwd=tmp_path)
+    rep = json.loads(report.read_text())
+    assert rep["steps"] == 10
+    log_text = next((Path(rep["run_dir"]) / "logs").glob("rollout.log")).read_text()
+    assert "interrupting generation to load it" in log_text
+    mixed = [h for h in rep["history"] if h.get("train/staleness_max", 0) >= 1]
+    assert mixed, "no step trained on tokens older than its policy version"
+    assert all(h["train/staleness_max"] <= 1 for h in rep["history"])  # η = 1 holds for the oldest token
