@@ -23,6 +23,12 @@ class RolloutConfig(BaseModel):
     """``torch.set_num_threads`` for this process; two cores must not be oversubscribed."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Weights dtype of the torch engine."""
+    sandbox_url: str | None = None
+    """Sandbox of the tool loop (``run_python``, ``run_tests``); ``None`` = ``verifier.sandbox_url``."""
+    tool_timeout_s: float = Field(10.0, gt=0, le=300)
+    """Time limit of one tool call in the sandbox (seconds)."""
+    max_trajectory_tokens: int = Field(1024, ge=1, le=131072)
+    """Budget of a multi-turn completion: generated plus tool-result tokens."""
     weight_update_policy: Literal["finish", "interrupt"] = "finish"
     """A weight version announced mid-generation: ``finish`` the batch, then load it; or ``interrupt``:
     load it between two decode steps and continue the unfinished samples with it (engines that support

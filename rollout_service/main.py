@@ -198,6 +198,7 @@ def to_trajectories(req: RolloutRequest, prompt_ids: list[int], samples, tokeniz
             completion_text=tokenizer.decode(s.completion_ids, skip_special_tokens=True),
             finish_reason=s.finish_reason, error=s.error, policy_versions=s.versions,
             temperature=req.sampling.temperature, timings=timings,
+            cost={"generated_tokens": float(len(s.completion_ids)), "tool_rounds": 0.0, "tool_seconds": 0.0},
         ))
     return out
 
@@ -251,8 +252,13 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
                 await _generate_and_send(config, engine, tok, reqs, headers, producer, stats)
             await kafka.commit_batch(requests, batch)
             if time.monotonic() - last_metrics > 10 and stats["rollout/samples"]:
+                n = stats["rollout/samples"]
                 vals = dict(stats, **{"rollout/tokens_per_s": stats["rollout/tokens"] / max(stats["rollout/generate_s"], 1e-9),
-                                      "rollout/policy_version": float(engine.policy_version)},
+                                      "rollout/policy_version": float(engine.policy_version),
+                                      # running cost per sample: the inference line of a training budget
+                                      "rollout/tokens_per_sample": stats["rollout/tokens"] / n,
+                                      "rollout/tool_rounds_per_sample": stats.get("rollout/tool_rounds", 0.0) / n,
+                                      "rollout/tool_seconds_per_sample": stats.get("rollout/tool_seconds", 0.0) / n},
                             **(bfollow.stats if bfollow is not None else {}))
                 await kafka.send(producer, topics.METRICS, Metrics(source="rollout", values=vals), "rollout")
                 last_metrics = time.monotonic()
@@ -332,8 +338,19 @@ async def _wait_for_version(engine: Engine, watcher: WeightWatcher, version: int
         await apply_newest(engine, watcher, bfollow)
 
 
+def _uses_tools(r: RolloutRequest) -> bool:
+    return bool(r.task.tools) and r.task.max_turns > 1
+
+
 async def _generate_and_send(config, engine: Engine, tok, reqs: list[RolloutRequest], headers: list, producer,
                              stats) -> None:
+    tool_reqs = [(r, h) for r, h in zip(reqs, headers) if _uses_tools(r)]
+    plain = [(r, h) for r, h in zip(reqs, headers) if not _uses_tools(r)]
+    if tool_reqs:
+        await _tool_groups(config, engine, tok, tool_reqs, producer, stats)
+    if not plain:
+        return
+    reqs, headers = [r for r, _ in plain], [h for _, h in plain]
     picked = time.time()
     prompts = [encode_chat(tok, prompt_messages(r, config.model.system_prompt)) for r in reqs]
     fits = [engine.max_context is None or len(p) + r.sampling.max_new_tokens <= engine.max_context
@@ -366,3 +383,43 @@ async def _generate_and_send(config, engine: Engine, tok, reqs: list[RolloutRequ
     stats["rollout/generate_s"] += gen_s
     log.info("generated %d requests (%d samples) at policy version %d in %.2f s", len(reqs),
              sum(r.n for r in reqs), engine.policy_version, gen_s)
+
+
+async def _tool_groups(config, engine: Engine, tok, items: list, producer, stats) -> None:
+    """Groups whose task allows tools: the multi-turn loop per group (groups run concurrently, so one's
+    tool calls overlap another's generation), then one Trajectory per sample."""
+    from rollout_service.tool_loop import ToolRunner, run_tool_loop
+
+    cfg = config.rollout
+    runner = ToolRunner(cfg.sandbox_url or config.verifier.sandbox_url, cfg.tool_timeout_s)
+    try:
+        async def one(r: RolloutRequest, h) -> None:
+            picked, t0 = time.time(), time.perf_counter()
+            prompt = encode_chat(tok, prompt_messages(r, config.model.system_prompt))
+            rollouts = await run_tool_loop(engine, tok, runner, r.task, prompt, r.n, r.sampling,
+                                           cfg.max_trajectory_tokens)
+            timings = {"queue": max(0.0, picked - r.issued_at), "generate": time.perf_counter() - t0}
+            futures = []
+            for i, ro in enumerate(rollouts):
+                tr = Trajectory(
+                    trajectory_id=f"{r.group_id}:{r.attempt}:{i}", group_id=r.group_id, sample_index=i,
+                    group_size=r.n, task=r.task, purpose=r.purpose, attempt=r.attempt, eval_round=r.eval_round,
+                    prompt_ids=prompt, completion_ids=ro.ids, completion_logprobs=ro.logprobs, loss_mask=ro.mask,
+                    completion_text=tok.decode(ro.ids, skip_special_tokens=True), finish_reason=ro.finish_reason,
+                    policy_versions=ro.versions or [VersionSpan(version=engine.policy_version, start=0, end=0)],
+                    temperature=r.sampling.temperature, timings=timings, turns=ro.turns,
+                    cost={"generated_tokens": float(ro.generated_tokens), "tool_rounds": float(ro.tool_rounds),
+                          "tool_seconds": ro.tool_seconds})
+                futures.append(await kafka.send(producer, topics.TRAJECTORIES, tr, r.group_id))
+                stats["rollout/tokens"] += ro.generated_tokens
+                stats["rollout/samples"] += 1
+                stats["rollout/tool_rounds"] = stats.get("rollout/tool_rounds", 0.0) + ro.tool_rounds
+                stats["rollout/tool_seconds"] = stats.get("rollout/tool_seconds", 0.0) + ro.tool_seconds
+            await asyncio.gather(*futures)
+            stats["rollout/generate_s"] += time.perf_counter() - t0
+            log.info("group %s: %d samples, %d tool rounds, %d tokens generated", r.group_id, r.n,
+                     sum(ro.tool_rounds for ro in rollouts), sum(ro.generated_tokens for ro in rollouts))
+
+        await asyncio.gather(*(one(r, h) for r, h in items))
+    finally:
+        await runner.close()

@@ -230,6 +230,11 @@ class Trajectory(Record):
     """Sampling temperature the completion was drawn at (0 = greedy, never trained)."""
     timings: dict[str, float] = Field(default_factory=dict)
     """Seconds: ``queue`` (request issued → picked up), ``generate`` (batch generation)."""
+    turns: list[dict[str, Any]] = Field(default_factory=list)
+    """Multi-turn (tool) trajectories: one record per turn, ``{role: assistant|tool, start, end, text}``
+    (token offsets into the completion) plus ``tool_calls`` and ``seconds`` on tool turns."""
+    cost: dict[str, float] = Field(default_factory=dict)
+    """Rollout cost: ``generated_tokens``, ``tool_rounds``, ``tool_seconds``."""
 
     @model_validator(mode="after")
     def _aligned(self) -> "Trajectory":

@@ -17,7 +17,8 @@ class DomainSource(BaseModel):
     generator's parameters."""
 
     model_config = ConfigDict(extra="forbid")
-    domain: Literal["reasoning_gym", "humaneval", "gsm_symbolic", "financial_extraction", "geometry"]
+    domain: Literal["reasoning_gym", "humaneval", "humaneval_repair", "gsm_symbolic", "financial_extraction",
+                    "geometry"]
     train_size: int = Field(64, ge=0, le=1_000_000)
     eval_size: int = Field(16, ge=0, le=100_000)
     params: dict[str, Any] = Field(default_factory=dict)

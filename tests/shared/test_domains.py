@@ -43,11 +43,14 @@ async def test_generated_domain_gold_scores_one_and_corruption_below(domain):
         await scorer.close()
 
 
-async def test_humaneval_canonical_solutions_pass_and_corruptions_fail(sandbox_url):
+@pytest.mark.parametrize("domain", ["humaneval", "humaneval_repair"])
+async def test_humaneval_canonical_solutions_pass_and_corruptions_fail(sandbox_url, domain):
     scorer = Scorer(VerifierConfig(sandbox_url=sandbox_url))
     try:
-        tasks = get("humaneval").make(N, seed=0, split="train") + get("humaneval").make(N, split="eval")
-        await _gold_and_corrupt(scorer, "humaneval", tasks[:N])
+        tasks = get(domain).make(N, seed=0, split="train")
+        if domain == "humaneval_repair":
+            assert all(t["tools"] == ["run_tests", "run_python"] and t["max_turns"] == 3 for t in tasks)
+        await _gold_and_corrupt(scorer, domain, tasks)
     finally:
         await scorer.close()
 

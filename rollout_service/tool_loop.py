@@ -1,0 +1,185 @@
+"""The multi-turn execute–observe–revise loop: the model calls tools, the sandbox runs them, the model
+reads the result and goes on, until a final answer, the turn limit or the token budget.
+
+Token-in/token-out: each turn appends to the ids of the turns before it, never re-encoding them.
+A tool result enters as the chat template's own tokens for a ``tool`` message plus the next
+assistant header, taken as the template's text *after* the end-of-turn token the model generated
+(:func:`tool_turn_ids`), with ``loss_mask`` 0 and log-prob 0 (the policy did not produce them).
+
+Tools (``Task.tools`` names which the model may call; the format is ``shared.tools``):
+
+* ``run_python`` ``{"code": str}``: runs the code in the sandbox; the observation is the exit status,
+  stdout and stderr (clipped).
+* ``run_tests`` ``{"code": str}``: runs the code against the task's ``unit_tests`` spec in the sandbox's
+  test-harness mode; the observation is each test's status and message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from rollout_service.engine import Engine, GenerationRequest
+from shared.schemas import SamplingParams, Task, VersionSpan
+from shared.tools import parse_tool_calls
+
+OBSERVATION_CHARS = 2000
+"""Longest tool result shown to the model (characters); longer ones are cut in the middle."""
+TOOLS = ("run_python", "run_tests")
+
+
+def tool_turn_ids(tokenizer, result: str, eos_text: str | None) -> list[int]:
+    """Token ids that follow an assistant turn ending in the end-of-turn token ``eos_text``: the chat
+    template's ``tool`` message holding ``result`` and the next assistant header.
+
+    Raises:
+        ValueError: the chat template does not render a tool message after an assistant message.
+    """
+    base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "\x00"}]
+    a = tokenizer.apply_chat_template(base, tokenize=False)
+    b = tokenizer.apply_chat_template(base + [{"role": "tool", "content": result}], tokenize=False,
+                                      add_generation_prompt=True)
+    cut = a.find("\x00") + 1
+    if cut == 0 or not b.startswith(a[:cut]):
+        raise ValueError("the chat template does not extend an assistant turn with a tool message")
+    if eos_text and a[cut:].startswith(eos_text):
+        cut += len(eos_text)  # the model generated this token itself
+    return tokenizer(b[cut:], add_special_tokens=False)["input_ids"]
+
+
+def _clip_middle(text: str, n: int = OBSERVATION_CHARS) -> str:
+    return text if len(text) <= n else text[: n // 2] + "\n...[cut]...\n" + text[-n // 2:]
+
+
+class ToolRunner:
+    """Executes tool calls in the sandbox service over HTTP (bounded by ``timeout_s`` per call)."""
+
+    def __init__(self, sandbox_url: str, timeout_s: float = 10.0) -> None:
+        self.http = httpx.AsyncClient(base_url=sandbox_url.rstrip("/"))
+        self.timeout_s = timeout_s
+
+    async def run(self, name: str | None, arguments: dict[str, Any], task: Task, error: str | None) -> str:
+        """The observation text for one call (an error message for a malformed or unknown call, or when
+        the sandbox fails: the model sees it and may try again)."""
+        if error is not None:
+            return f"error: malformed tool call ({error})"
+        if name not in task.tools or name not in TOOLS:
+            return f"error: unknown tool {name!r}; available: {sorted(set(task.tools) & set(TOOLS))}"
+        code = arguments.get("code")
+        if not isinstance(code, str) or not code.strip():
+            return "error: the call needs a non-empty string argument 'code'"
+        body: dict[str, Any] = {"code": code, "timeout_s": self.timeout_s}
+        spec = task.verifier
+        if name == "run_tests":
+            if spec.kind != "unit_tests":
+                return "error: this task has no tests to run"
+            body["code"] = spec.prefix + code
+            body["tests"] = ([{"name": "tests", "code": spec.tests}] if isinstance(spec.tests, str)
+                             else [t.model_dump() for t in spec.tests])
+            if spec.entry_point:
+                body["entry_point"] = spec.entry_point
+        try:
+            r = await self.http.post("/v1/execute", json=body, timeout=self.timeout_s + 30)
+            r.raise_for_status()
+            out = r.json()
+        except (httpx.HTTPError, ValueError) as e:
+            return f"error: the sandbox could not run it ({type(e).__name__})"
+        if name == "run_tests":
+            lines = [f"{t.get('name')}: {t.get('status')}" + (f" - {t.get('message')}" if t.get("message") else "")
+                     for t in out.get("tests") or []]
+            text = "\n".join(lines) or f"no test ran (status {out.get('status')})\n{out.get('stderr', '')}"
+        else:
+            text = (f"status: {out.get('status')}, exit code {out.get('exit_code')}\n"
+                    f"stdout:\n{out.get('stdout', '')}\nstderr:\n{out.get('stderr', '')}")
+        return _clip_middle(text)
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+@dataclass
+class Rollout:
+    """One multi-turn trajectory being built: completion ids after the prompt, with per-token log-probs,
+    loss mask and version spans, and a record per turn."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    versions: list[VersionSpan] = field(default_factory=list)
+    turns: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str = "stop"
+    generated_tokens: int = 0
+    tool_rounds: int = 0
+    tool_seconds: float = 0.0
+
+    def add_generated(self, sample, tokenizer) -> None:
+        start = len(self.ids)
+        self.ids += sample.completion_ids
+        self.logprobs += sample.logprobs
+        self.mask += [1] * len(sample.completion_ids)
+        self.versions += [VersionSpan(version=v.version, start=v.start + start, end=v.end + start)
+                          for v in sample.versions]
+        self.finish_reason = sample.finish_reason
+        self.generated_tokens += len(sample.completion_ids)
+        self.turns.append({"role": "assistant", "start": start, "end": len(self.ids),
+                           "text": tokenizer.decode(sample.completion_ids, skip_special_tokens=True)})
+
+    def add_observation(self, ids: list[int], text: str, calls: list[dict], seconds: float) -> None:
+        start = len(self.ids)
+        self.ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.mask += [0] * len(ids)
+        self.tool_rounds += 1
+        self.tool_seconds += seconds
+        self.turns.append({"role": "tool", "start": start, "end": len(self.ids), "text": text, "tool_calls": calls,
+                           "seconds": seconds})
+
+
+async def run_tool_loop(engine: Engine, tokenizer, runner: ToolRunner, task: Task, prompt_ids: list[int], n: int,
+                        sampling: SamplingParams, max_tokens: int) -> list[Rollout]:
+    """``n`` trajectories of ``task`` through up to ``task.max_turns`` assistant turns.
+
+    A turn that ends with its end-of-turn token and holds tool calls is answered by the tools (all its
+    calls, concurrently) and continued; anything else ends the trajectory. ``max_tokens`` bounds the
+    whole completion (generated and observation tokens). Each turn's generation runs in a worker thread.
+    """
+    eos_id = tokenizer.eos_token_id
+    eos_text = tokenizer.decode([eos_id]) if eos_id is not None else None
+    rollouts = [Rollout() for _ in range(n)]
+    (first,) = await asyncio.to_thread(engine.generate, [GenerationRequest(prompt_ids, n, sampling)])
+    for r, s in zip(rollouts, first):
+        r.add_generated(s, tokenizer)
+    for _turn in range(1, task.max_turns):
+        live = []
+        for r in rollouts:
+            calls = parse_tool_calls(r.turns[-1]["text"]) if r.finish_reason == "stop" else []
+            if calls and len(r.ids) < max_tokens:
+                live.append((r, calls))
+        if not live:
+            break
+
+        async def observe(r: Rollout, calls) -> None:
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(runner.run(c.name, c.arguments, task, c.error) for c in calls))
+            text = "\n\n".join(results)
+            ids = tool_turn_ids(tokenizer, text, eos_text)
+            r.add_observation(ids, text, [{"name": c.name, "arguments": c.arguments, "error": c.error} for c in calls],
+                              time.perf_counter() - t0)
+
+        await asyncio.gather(*(observe(r, calls) for r, calls in live))
+        live = [r for r, _ in live if len(r.ids) < max_tokens]
+        if not live:
+            break
+        reqs = [GenerationRequest(prompt_ids + r.ids, 1, sampling.model_copy(
+            update={"max_new_tokens": min(sampling.max_new_tokens, max_tokens - len(r.ids))})) for r in live]
+        outs = await asyncio.to_thread(engine.generate, reqs)
+        for r, (s,) in zip(live, outs):
+            r.add_generated(s, tokenizer)
+    for r in rollouts:
+        if len(r.ids) >= max_tokens and r.finish_reason == "stop" and r.turns[-1]["role"] == "tool":
+            r.finish_reason = "length"
+    return rollouts
