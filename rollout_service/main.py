@@ -34,19 +34,25 @@ log = logging.getLogger("rollout")
 
 
 def build_engine(config: FlywheelConfig):
-    """The configured engine and its tokenizer.
+    """The configured engine (``torch`` in process, or ``sglang`` at ``rollout.sglang_url``, waited for
+    until ready) and the tokenizer.
 
     Raises:
-        NotImplementedError: ``engine == "sglang"`` (not built yet).
+        TimeoutError: the SGLang server is not ready within 10 minutes.
     """
     cfg = config.rollout
-    if cfg.engine != "torch":
-        raise NotImplementedError(f"rollout engine {cfg.engine!r} is not implemented yet; use 'torch'")
+    model_dir = resolve_model_dir(config.model.name, config.model.cache_dir)
+    tok = load_tokenizer(model_dir)  # prompts are encoded here either way: token in, token out
+    if cfg.engine == "sglang":
+        from rollout_service.sglang_engine import SGLangEngine
+
+        engine = SGLangEngine(cfg.sglang_url)
+        info = engine.wait_ready()
+        log.info("SGLang at %s ready: %s", cfg.sglang_url, info)
+        return engine, tok
     from rollout_service.torch_engine import TorchEngine
 
     torch.set_num_threads(cfg.torch_threads)
-    model_dir = resolve_model_dir(config.model.name, config.model.cache_dir)
-    tok = load_tokenizer(model_dir)
     return TorchEngine(load_model(model_dir, cfg.dtype), tok, seed=cfg.seed), tok
 
 
@@ -288,7 +294,7 @@ async def _interrupt_on_new_weights(engine: Engine, watcher: WeightWatcher, stop
     while not stop.is_set():
         upd = watcher.newest
         if upd is not None and upd.version > max(asked, engine.policy_version):
-            if engine.interrupt_with(upd):
+            if await asyncio.to_thread(engine.interrupt_with, upd):
                 asked = upd.version
                 log.info("policy version %d: interrupting generation to load it", upd.version)
         await asyncio.sleep(0.05)  # polls: the loop's own waits own watcher.changed
