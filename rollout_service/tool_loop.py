@@ -12,6 +12,10 @@ Tools (``Task.tools`` names which the model may call; the format is ``shared.too
   stdout and stderr (clipped).
 * ``run_tests`` ``{"code": str}``: runs the code against the task's ``unit_tests`` spec in the sandbox's
   test-harness mode; the observation is each test's status and message.
+* ``test_feedback`` (not called by the model): the environment runs the tests on the code of every
+  answer that makes no tool call; when some fail, their results are the observation and the model
+  revises (until all pass or the turns run out). Small models that never write a tool call still get
+  the execute-observe-revise loop.
 """
 
 from __future__ import annotations
@@ -25,11 +29,14 @@ import httpx
 
 from rollout_service.engine import Engine, GenerationRequest
 from shared.schemas import SamplingParams, Task, VersionSpan
-from shared.tools import parse_tool_calls
+from shared.tools import ToolCall, parse_tool_calls
+from verifier_service.extract import extract_code
 
 OBSERVATION_CHARS = 2000
 """Longest tool result shown to the model (characters); longer ones are cut in the middle."""
 TOOLS = ("run_python", "run_tests")
+FEEDBACK = "test_feedback"
+ALL_PASSED = "all tests passed"
 
 
 def tool_turn_ids(tokenizer, result: str, eos_text: str | None) -> list[int]:
@@ -67,7 +74,7 @@ class ToolRunner:
         the sandbox fails: the model sees it and may try again)."""
         if error is not None:
             return f"error: malformed tool call ({error})"
-        if name not in task.tools or name not in TOOLS:
+        if name not in TOOLS or (name not in task.tools and not (name == "run_tests" and FEEDBACK in task.tools)):
             return f"error: unknown tool {name!r}; available: {sorted(set(task.tools) & set(TOOLS))}"
         code = arguments.get("code")
         if not isinstance(code, str) or not code.strip():
@@ -89,9 +96,12 @@ class ToolRunner:
         except (httpx.HTTPError, ValueError) as e:
             return f"error: the sandbox could not run it ({type(e).__name__})"
         if name == "run_tests":
+            tests = out.get("tests") or []
             lines = [f"{t.get('name')}: {t.get('status')}" + (f" - {t.get('message')}" if t.get("message") else "")
-                     for t in out.get("tests") or []]
+                     for t in tests]
             text = "\n".join(lines) or f"no test ran (status {out.get('status')})\n{out.get('stderr', '')}"
+            if tests and all(t.get("status") == "passed" for t in tests):
+                text = f"{ALL_PASSED}\n{text}"
         else:
             text = (f"status: {out.get('status')}, exit code {out.get('exit_code')}\n"
                     f"stdout:\n{out.get('stdout', '')}\nstderr:\n{out.get('stderr', '')}")
@@ -153,25 +163,31 @@ async def run_tool_loop(engine: Engine, tokenizer, runner: ToolRunner, task: Tas
     (first,) = await asyncio.to_thread(engine.generate, [GenerationRequest(prompt_ids, n, sampling)])
     for r, s in zip(rollouts, first):
         r.add_generated(s, tokenizer)
+    feedback = FEEDBACK in task.tools and task.verifier.kind == "unit_tests"
     for _turn in range(1, task.max_turns):
         live = []
         for r in rollouts:
-            calls = parse_tool_calls(r.turns[-1]["text"]) if r.finish_reason == "stop" else []
-            if calls and len(r.ids) < max_tokens:
+            if r.finish_reason != "stop" or len(r.ids) >= max_tokens:
+                continue
+            calls = parse_tool_calls(r.turns[-1]["text"])
+            if not calls and feedback:  # the environment tests the answer itself
+                calls = [ToolCall("run_tests", {"code": extract_code(r.turns[-1]["text"])})]
+            if calls:
                 live.append((r, calls))
         if not live:
             break
 
-        async def observe(r: Rollout, calls) -> None:
+        async def observe(r: Rollout, calls) -> bool:
             t0 = time.perf_counter()
             results = await asyncio.gather(*(runner.run(c.name, c.arguments, task, c.error) for c in calls))
             text = "\n\n".join(results)
             ids = tool_turn_ids(tokenizer, text, eos_text)
             r.add_observation(ids, text, [{"name": c.name, "arguments": c.arguments, "error": c.error} for c in calls],
                               time.perf_counter() - t0)
+            return not (feedback and len(calls) == 1 and text.startswith(ALL_PASSED))  # solved: no revision
 
-        await asyncio.gather(*(observe(r, calls) for r, calls in live))
-        live = [r for r, _ in live if len(r.ids) < max_tokens]
+        go_on = await asyncio.gather(*(observe(r, calls) for r, calls in live))
+        live = [r for (r, _), more in zip(live, go_on) if more and len(r.ids) < max_tokens]
         if not live:
             break
         reqs = [GenerationRequest(prompt_ids + r.ids, 1, sampling.model_copy(

@@ -88,3 +88,24 @@ async def test_unknown_tools_and_malformed_calls_become_observations(sandbox_url
         assert "one: passed" in out and "two: failed" in out
     finally:
         await runner.close()
+
+
+async def test_test_feedback_runs_the_answer_and_the_model_revises_until_it_passes(tmp_path, sandbox_url):
+    """``test_feedback``: no tool call needed; a failing answer gets its failures back and a second turn."""
+    msgs = [{"role": "user", "content": "f"}]
+    wrong = "```python\ndef f(x):\n    return x\n```"
+    engine = _taught_engine(tmp_path, msgs, wrong)
+    tok = engine.tokenizer
+    task = Task(task_id="t", domain="repair", prompt=msgs, tools=["test_feedback"], max_turns=3,
+                verifier={"kind": "unit_tests", "entry_point": "f",
+                          "tests": [{"name": "double", "code": "assert f(2) == 4"}]})
+    runner = ToolRunner(sandbox_url)
+    try:
+        (r,) = await run_tool_loop(engine, tok, runner, task, encode_chat(tok, msgs), 1,
+                                   SamplingParams(max_new_tokens=60, temperature=0.0), max_tokens=600)
+    finally:
+        await runner.close()
+    roles = [t["role"] for t in r.turns]
+    assert roles[:3] == ["assistant", "tool", "assistant"] and r.turns[0]["text"] == wrong
+    assert "double: failed" in r.turns[1]["text"] and r.turns[1]["tool_calls"][0]["name"] == "run_tests"
+    assert r.tool_rounds == len(roles) // 2 >= 1  # observed, then revised (the taught model repeats itself)

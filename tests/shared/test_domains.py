@@ -49,7 +49,7 @@ async def test_humaneval_canonical_solutions_pass_and_corruptions_fail(sandbox_u
     try:
         tasks = get(domain).make(N, seed=0, split="train")
         if domain == "humaneval_repair":
-            assert all(t["tools"] == ["run_tests", "run_python"] and t["max_turns"] == 3 for t in tasks)
+            assert all(t["tools"] == ["run_tests", "run_python", "test_feedback"] and t["max_turns"] == 3 for t in tasks)
         await _gold_and_corrupt(scorer, domain, tasks)
     finally:
         await scorer.close()
