@@ -29,8 +29,8 @@ import httpx
 
 from rollout_service.engine import Engine, GenerationRequest
 from shared.schemas import SamplingParams, Task, VersionSpan
+from shared.text import extract_code
 from shared.tools import ToolCall, parse_tool_calls
-from verifier_service.extract import extract_code
 
 OBSERVATION_CHARS = 2000
 """Longest tool result shown to the model (characters); longer ones are cut in the middle."""

@@ -7,9 +7,8 @@ flywheel.dlq as a :class:`DeadLetter` with the reason (see ``shared.kafka``).
 
 from __future__ import annotations
 
-import math
 import time
-from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union
+from typing import Any, ClassVar, Literal, TypeVar
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator

@@ -317,7 +317,7 @@ class FieldSpec(BaseModel):
 
     @model_validator(mode="after")
     def _gold_is_readable(self) -> "FieldSpec":
-        from verifier_service.extract import normalise_date, parse_number
+        from shared.text import normalise_date, parse_number
 
         check_json(self.value)
         amount = self.type == "amount"
