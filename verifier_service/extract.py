@@ -156,18 +156,17 @@ def extract_json(text: str) -> tuple[Any, str | None]:
     body = strip_reasoning(text)
     if len(body) > MAX_JSON_CHARS:
         return None, f"response longer than {MAX_JSON_CHARS} characters"
-    candidates = []
-    tag = extract_answer_tag(body)
-    if tag is not None:
-        candidates.append(tag)
-    fences = _JSON_FENCE.findall(body)
-    if fences:
-        candidates.append(fences[-1])
-    candidates += _balanced_objects(body)
-    if not candidates:
-        return None, "no JSON object in the response"
-    err = None
-    for c in candidates:
+    def candidates():  # lazily: the usual answer parses at the first one
+        tag = extract_answer_tag(body)
+        if tag is not None:
+            yield tag
+        fences = _JSON_FENCE.findall(body)
+        if fences:
+            yield fences[-1]
+        yield from _balanced_objects(body)
+
+    err = "no JSON object in the response"
+    for c in candidates():
         try:
             return orjson.loads(c.strip()), None
         except orjson.JSONDecodeError as e:
