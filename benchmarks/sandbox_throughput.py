@@ -90,15 +90,15 @@ def _bwrap_argv(python: str) -> list[str]:
 async def main_async(a: argparse.Namespace) -> dict:
     import aiohttp
 
-    from shared.broker import free_port, wait_for_port
+    from shared.broker import free_port, stop_pid, wait_for_port
 
     trivial = [{"code": "print(1)"}]
     human_eval = _human_eval_bodies()
     port = free_port()
     env = dict(os.environ, FLYWHEEL_SANDBOX__PORT=str(port), FLYWHEEL_SANDBOX__MAX_CONCURRENCY=str(a.workers),
                FLYWHEEL_RUN__DIR=str(Path(a.run_dir).resolve()))
-    proc = subprocess.Popen([sys.executable, "-m", "sandbox_service"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "sandbox_service"], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     results: dict = {"workers": a.workers, "clients": a.clients, "seconds": a.seconds, "cpus": os.cpu_count()}
     try:
         wait_for_port("127.0.0.1", port, timeout_s=60)
@@ -117,12 +117,7 @@ async def main_async(a: argparse.Namespace) -> dict:
             for name, bodies in (("trivial", trivial), ("human_eval", human_eval)):
                 results[f"flywheel_{name}"] = await _measure(flywheel, bodies, a.clients, a.seconds)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_pid(proc, 15)
 
     if shutil.which("bwrap") is None:
         results["bwrap"] = "not installed (apt install bubblewrap)"

@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from shared.broker import free_port, stop_pid  # noqa: E402
 from shared.domains import get  # noqa: E402
 from shared.schemas import Task  # noqa: E402
 from verifier_service.config import VerifierConfig  # noqa: E402
@@ -71,20 +71,12 @@ async def _rate(scorer: Scorer, items: list, seconds: float, batch: int) -> tupl
     return done / (time.perf_counter() - t0), infra
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def _start_sandbox(run_dir: str) -> tuple[subprocess.Popen, str]:
     import httpx
 
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, FLYWHEEL_SANDBOX__PORT=str(port), FLYWHEEL_RUN__DIR=run_dir)
-    proc = subprocess.Popen([sys.executable, "-m", "sandbox_service"], env=env, cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "sandbox_service"], env=env, cwd=ROOT, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -94,7 +86,7 @@ def _start_sandbox(run_dir: str) -> tuple[subprocess.Popen, str]:
                 return proc, url
         except httpx.HTTPError:
             time.sleep(0.2)
-    proc.kill()
+    stop_pid(proc)
     raise RuntimeError("sandbox did not start")
 
 
@@ -150,8 +142,7 @@ async def main() -> None:
                                          "sandbox_direct_per_s": round(direct, 1), "ratio": round(rate / direct, 2)}
             finally:
                 await scorer.close()
-                proc.terminate()
-                proc.wait(30)
+                stop_pid(proc, 30)
 
     print(f"{'kind':<15}{'rewards/s':>12}{'target':>10}{'infra':>8}  note")
     for name, r in results.items():

@@ -192,21 +192,25 @@ async def apply_newest(engine: Engine, watcher: WeightWatcher, follower: Broadca
             watcher.bad.add(upd.version)
 
 
+def make_trajectory(req: RolloutRequest, i: int, prompt_ids: list[int], ids: list[int], logprobs: list[float],
+                    mask: list[int], finish_reason: str, versions: list[VersionSpan], tokenizer, timings: dict,
+                    error: str | None = None, turns: list | None = None, cost: dict | None = None) -> Trajectory:
+    """Sample ``i`` of ``req`` as a Trajectory (``cost`` defaults to its generated tokens, no tools)."""
+    return Trajectory(
+        trajectory_id=f"{req.group_id}:{req.attempt}:{i}", group_id=req.group_id, sample_index=i,
+        group_size=req.n, task=req.task, purpose=req.purpose, attempt=req.attempt, eval_round=req.eval_round,
+        prompt_ids=prompt_ids, completion_ids=ids, completion_logprobs=logprobs, loss_mask=mask,
+        completion_text=tokenizer.decode(ids, skip_special_tokens=True), finish_reason=finish_reason, error=error,
+        policy_versions=versions, temperature=req.sampling.temperature, timings=timings, turns=turns or [],
+        cost=cost or {"generated_tokens": float(len(ids)), "tool_rounds": 0.0, "tool_seconds": 0.0},
+    )
+
+
 def to_trajectories(req: RolloutRequest, prompt_ids: list[int], samples, tokenizer, timings) -> list[Trajectory]:
     """One Trajectory per sample of ``req``."""
-    out = []
-    for i, s in enumerate(samples):
-        out.append(Trajectory(
-            trajectory_id=f"{req.group_id}:{req.attempt}:{i}", group_id=req.group_id, sample_index=i,
-            group_size=req.n, task=req.task, purpose=req.purpose, attempt=req.attempt, eval_round=req.eval_round,
-            prompt_ids=prompt_ids, completion_ids=s.completion_ids, completion_logprobs=s.logprobs,
-            loss_mask=[1] * len(s.completion_ids),
-            completion_text=tokenizer.decode(s.completion_ids, skip_special_tokens=True),
-            finish_reason=s.finish_reason, error=s.error, policy_versions=s.versions,
-            temperature=req.sampling.temperature, timings=timings,
-            cost={"generated_tokens": float(len(s.completion_ids)), "tool_rounds": 0.0, "tool_seconds": 0.0},
-        ))
-    return out
+    return [make_trajectory(req, i, prompt_ids, s.completion_ids, s.logprobs, [1] * len(s.completion_ids),
+                            s.finish_reason, s.versions, tokenizer, timings, error=s.error)
+            for i, s in enumerate(samples)]
 
 
 def prompt_messages(req: RolloutRequest, system_prompt: str | None) -> list[dict[str, str]]:
@@ -236,7 +240,8 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
     bcast = asyncio.create_task(bfollow.run(stop)) if bfollow is not None else None
     interrupter = (asyncio.create_task(_interrupt_on_new_weights(engine, watcher, stop))
                    if cfg.weight_update_policy == "interrupt" else None)
-    stats = {"rollout/samples": 0.0, "rollout/tokens": 0.0, "rollout/generate_s": 0.0}
+    stats = {"rollout/samples": 0.0, "rollout/tokens": 0.0, "rollout/generate_s": 0.0, "rollout/tool_rounds": 0.0,
+             "rollout/tool_seconds": 0.0}
     first_token_version = engine.policy_version
     last_metrics = time.monotonic()
     try:
@@ -263,8 +268,8 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
                                       "rollout/policy_version": float(engine.policy_version),
                                       # running cost per sample: the inference line of a training budget
                                       "rollout/tokens_per_sample": stats["rollout/tokens"] / n,
-                                      "rollout/tool_rounds_per_sample": stats.get("rollout/tool_rounds", 0.0) / n,
-                                      "rollout/tool_seconds_per_sample": stats.get("rollout/tool_seconds", 0.0) / n},
+                                      "rollout/tool_rounds_per_sample": stats["rollout/tool_rounds"] / n,
+                                      "rollout/tool_seconds_per_sample": stats["rollout/tool_seconds"] / n},
                             **(bfollow.stats if bfollow is not None else {}))
                 await kafka.send(producer, topics.METRICS, Metrics(source="rollout", values=vals), "rollout")
                 last_metrics = time.monotonic()
@@ -407,20 +412,16 @@ async def _tool_groups(config, engine: Engine, tok, items: list, producer, stats
             timings = {"queue": max(0.0, picked - r.issued_at), "generate": time.perf_counter() - t0}
             futures = []
             for i, ro in enumerate(rollouts):
-                tr = Trajectory(
-                    trajectory_id=f"{r.group_id}:{r.attempt}:{i}", group_id=r.group_id, sample_index=i,
-                    group_size=r.n, task=r.task, purpose=r.purpose, attempt=r.attempt, eval_round=r.eval_round,
-                    prompt_ids=prompt, completion_ids=ro.ids, completion_logprobs=ro.logprobs, loss_mask=ro.mask,
-                    completion_text=tok.decode(ro.ids, skip_special_tokens=True), finish_reason=ro.finish_reason,
-                    policy_versions=ro.versions or [VersionSpan(version=engine.policy_version, start=0, end=0)],
-                    temperature=r.sampling.temperature, timings=timings, turns=ro.turns,
-                    cost={"generated_tokens": float(ro.generated_tokens), "tool_rounds": float(ro.tool_rounds),
-                          "tool_seconds": ro.tool_seconds})
+                tr = make_trajectory(
+                    r, i, prompt, ro.ids, ro.logprobs, ro.mask, ro.finish_reason,
+                    ro.versions or [VersionSpan(version=engine.policy_version, start=0, end=0)], tok, timings,
+                    turns=ro.turns, cost={"generated_tokens": float(ro.generated_tokens),
+                                          "tool_rounds": float(ro.tool_rounds), "tool_seconds": ro.tool_seconds})
                 futures.append(await kafka.send(producer, topics.TRAJECTORIES, tr, r.group_id))
                 stats["rollout/tokens"] += ro.generated_tokens
                 stats["rollout/samples"] += 1
-                stats["rollout/tool_rounds"] = stats.get("rollout/tool_rounds", 0.0) + ro.tool_rounds
-                stats["rollout/tool_seconds"] = stats.get("rollout/tool_seconds", 0.0) + ro.tool_seconds
+                stats["rollout/tool_rounds"] += ro.tool_rounds
+                stats["rollout/tool_seconds"] += ro.tool_seconds
             await asyncio.gather(*futures)
             stats["rollout/generate_s"] += time.perf_counter() - t0
             log.info("group %s: %d samples, %d tool rounds, %d tokens generated", r.group_id, r.n,

@@ -100,6 +100,11 @@ class TorchEngine(Engine):
             loader, self._pending = self._pending, None
             return loader
 
+    @property
+    def has_pending(self) -> bool:
+        """Whether a requested weight load has not been served yet."""
+        return self._pending is not None
+
     def serve_pending(self) -> bool:
         """Run a requested loader now, outside generation (between batches); True if there was one."""
         loader = self._take_pending()

@@ -127,7 +127,7 @@ def build_app(engine: TorchEngine, model_path: str = "") -> FastAPI:
                 engine.serve_pending()
             else:
                 deadline = time.monotonic() + 600
-                while engine._pending is not None and time.monotonic() < deadline:
+                while engine.has_pending and time.monotonic() < deadline:
                     time.sleep(0.005)
                 engine.serve_pending()  # the generation finished before a step boundary
 

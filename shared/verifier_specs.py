@@ -23,6 +23,21 @@ COMPONENTS = ("correctness", "format", "tool_protocol", "safety", "truncation", 
 EXTRACTIONS = Literal["last_number", "answer_tag", "boxed", "full"]
 
 
+def _check_regex(pattern: str) -> str:
+    """``pattern`` unchanged when the ``regex`` package compiles it.
+
+    Raises:
+        ValueError: it does not compile (the message names the pattern).
+    """
+    import regex
+
+    try:
+        regex.compile(pattern)
+    except regex.error as e:
+        raise ValueError(f"invalid regular expression {pattern!r}: {e}") from e
+    return pattern
+
+
 # ---------------------------------------------------------------- rules layer
 
 
@@ -86,13 +101,8 @@ class SafetyRule(BaseModel):
     @field_validator("extra_patterns")
     @classmethod
     def _compiles(cls, v: list[str]) -> list[str]:
-        import regex
-
         for p in v:
-            try:
-                regex.compile(p)
-            except regex.error as e:
-                raise ValueError(f"invalid regular expression {p!r}: {e}") from e
+            _check_regex(p)
         return v
 
 
@@ -255,13 +265,7 @@ class RegexSpec(_Spec):
     @field_validator("pattern")
     @classmethod
     def _compiles(cls, v: str) -> str:
-        import regex
-
-        try:
-            regex.compile(v)
-        except regex.error as e:
-            raise ValueError(f"invalid regular expression: {e}") from e
-        return v
+        return _check_regex(v)
 
 
 class NumericSpec(_Spec):

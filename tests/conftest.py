@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import time
 import uuid
 
 import pytest
 
-from shared.broker import EmbeddedBroker
+from shared.broker import EmbeddedBroker, free_port, stop_pid
 from shared.config import KafkaConfig
 
 
@@ -71,15 +70,6 @@ def read_topic():
     return _read_topic
 
 
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 @pytest.fixture(scope="session")
 def sandbox_url(tmp_path_factory):
     """The real sandbox service (``python -m sandbox_service``) on a free port, stopped by pid."""
@@ -92,7 +82,7 @@ def sandbox_url(tmp_path_factory):
     port = free_port()
     run_dir = tmp_path_factory.mktemp("sandbox")
     env = dict(os.environ, FLYWHEEL_SANDBOX__PORT=str(port), FLYWHEEL_RUN__DIR=str(run_dir))
-    proc = subprocess.Popen([sys.executable, "-m", "sandbox_service"], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "sandbox_service"], env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -108,9 +98,4 @@ def sandbox_url(tmp_path_factory):
             time.sleep(0.2)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_pid(proc)

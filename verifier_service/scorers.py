@@ -40,9 +40,7 @@ from shared.schemas import Reward
 from verifier_service import deterministic as det
 from verifier_service.config import VerifierConfig
 from verifier_service.deterministic import CheckResult, infra, ok_if
-from verifier_service.extract import (  # noqa: F401 - re-exported for callers of the old module
-    clip, extract_answer, extract_boxed, extract_code, extract_last_number, strip_reasoning,
-)
+from verifier_service.extract import clip, extract_boxed, extract_code, extract_last_number, strip_reasoning
 from verifier_service.hacks import detect_hacks
 from verifier_service.judge import JudgeClient
 from verifier_service.rules import run_rules
@@ -55,10 +53,13 @@ LAYER = "correctness"
 CODE_KINDS = (UnitTestsSpec,)
 """Spec kinds scored by running the response's code (the test-tampering detector applies)."""
 
-score_reasoning_gym = det.score_reasoning_gym  # re-exported
-
 SLOW_REASONING_GYM = frozenset(SLOW)
 """reasoning-gym scorers over a millisecond per call: run in the pool."""
+
+
+def failed_gates(recipe: Recipe, components: dict[str, float]) -> list[str]:
+    """The recipe's gates among ``components`` that are below 1 (a gate not computed yet does not fail)."""
+    return [g for g in recipe.gates if components.get(g, 1.0) < 1.0]
 
 
 def compose(recipe: Recipe, correctness: CheckResult, rules: dict[str, CheckResult],
@@ -87,7 +88,7 @@ def compose(recipe: Recipe, correctness: CheckResult, rules: dict[str, CheckResu
         return Reward(total=0.0, components={k: v.score for k, v in layers.items() if not v.infra_error},
                       details=details, infra_error=True)
     components = {k: v.score for k, v in layers.items()}
-    gated_by = [g for g in recipe.gates if components.get(g, 1.0) < 1.0]
+    gated_by = failed_gates(recipe, components)
     weighted = {k: w for k, w in recipe.weights.items() if k in components and w > 0}
     total = sum(w * components[k] for k, w in weighted.items()) / sum(weighted.values()) if weighted else 0.0
     if gated_by:
@@ -188,10 +189,9 @@ class Scorer:
             rules = run_rules(recipe.rules, completion, finish_reason, list(tools)) if recipe.rules else {}
             hacks = detect_hacks(completion, isinstance(spec, CODE_KINDS))
             judge = None
-            gate_failed = correctness.infra_error or any(
-                (rules[g].score < 1.0 if g in rules else g == LAYER and correctness.score < 1.0)
-                for g in recipe.gates)
-            if recipe.judge is not None and not gate_failed:  # a failed gate zeroes the reward: save the call
+            so_far = {LAYER: correctness.score, **{k: v.score for k, v in rules.items()}}
+            if recipe.judge is not None and not correctness.infra_error and not failed_gates(recipe, so_far):
+                # a failed gate zeroes the reward: the judge's call would be wasted
                 judge = await asyncio.wait_for(self.judge.score(recipe.judge, prompt or [], completion),
                                                timeout=self.cfg.judge.timeout_s + 5)
             return compose(recipe, correctness, rules, judge, hacks)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 
@@ -14,7 +13,10 @@ from shared.schemas import ExactSpec, MathSpec, ReasoningGymSpec, RegexSpec, Uni
 from verifier_service import deterministic as det, scorers
 from verifier_service.config import VerifierConfig
 from verifier_service.deterministic import score_reasoning_gym
-from verifier_service.scorers import Scorer, extract_answer, extract_code
+from verifier_service.extract import extract_answer, extract_code
+from verifier_service.scorers import Scorer
+
+from tests.conftest import free_port
 
 
 @pytest.mark.parametrize(
@@ -184,16 +186,8 @@ def _slow_compare(gold, answer, is_boxed):  # picklable by reference (module-lev
     return {"ok": True}
 
 
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 async def test_unit_tests_with_sandbox_down_is_infra_error():
-    s = Scorer(VerifierConfig(sandbox_url=f"http://127.0.0.1:{_closed_port()}"))
+    s = Scorer(VerifierConfig(sandbox_url=f"http://127.0.0.1:{free_port()}"))
     try:
         spec = UnitTestsSpec(tests="def check(f):\n    assert f() == 1\n", entry_point="f")
         r = await s.score(spec, "```python\ndef f():\n    return 1\n```")
