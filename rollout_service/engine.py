@@ -1,5 +1,5 @@
-"""The rollout engine interface. ``torch`` implements it in process; an SGLang backend over HTTP
-(token-in/token-out ``/generate`` with logprobs, weight updates, pause/continue) implements it later.
+"""The rollout engine interface: ``torch`` (rollout_service/torch_engine.py) implements it in process,
+``sglang`` (rollout_service/sglang_engine.py) over an SGLang server's HTTP API.
 """
 
 from __future__ import annotations
@@ -40,6 +40,11 @@ class Engine(abc.ABC):
     policy_version: int = 0
     max_context: int | None = None
     """Most tokens (prompt + new) one sequence may hold; longer requests are refused, not generated."""
+    receives_in_server: bool = False
+    """True when a weight broadcast goes straight into a server's weights (SGLang), through
+    :meth:`receive_broadcast`, instead of into tensors this process loads with :meth:`load_weights_state`."""
+    broadcast_width: int = 1
+    """Ranks this engine takes in a broadcast session (an SGLang server: its tensor-parallel size)."""
 
     @abc.abstractmethod
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
@@ -55,6 +60,17 @@ class Engine(abc.ABC):
 
     def load_weights_state(self, state: dict, version: int) -> None:
         """Load broadcast weights ``state`` and set ``policy_version``; blocking. Raises ValueError."""
+        raise NotImplementedError
+
+    def receive_broadcast(self, update: WeightUpdate, rank_offset: int, world_size: int, plan: list[list[str]],
+                          master_address: str, master_port: int, backend: str, timeout_s: float) -> None:
+        """Engines with ``receives_in_server``: have the server join session ``v<update.version>`` (ranks
+        ``rank_offset ..``), receive the buckets of ``plan`` and switch to that version; blocking.
+
+        Raises:
+            RuntimeError: the session failed (the server may hold partly updated weights: the caller loads
+                the version's checkpoint).
+        """
         raise NotImplementedError
 
     @abc.abstractmethod

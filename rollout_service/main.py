@@ -101,9 +101,11 @@ class WeightWatcher:
 
 class BroadcastFollower:
     """Transport ``distributed``: registers with the trainer's store and joins each version's broadcast
-    session as soon as the version is announced (while the engine keeps generating), keeping the newest
-    weights received for :func:`apply_newest` to load between batches. A failed session leaves the
-    version to the checkpoint file."""
+    session as soon as the version is announced (while the engine keeps generating). A torch engine's
+    weights are staged for :func:`apply_newest` to load between batches (or between decode steps); an
+    SGLang server receives them into its own weights at once (pause with retract, so requests in flight
+    continue under the new version, their spans tagged). A failed session leaves the version to the
+    checkpoint file."""
 
     def __init__(self, config: FlywheelConfig, engine: Engine, watcher: WeightWatcher) -> None:
         self.tc = config.trainer
@@ -114,6 +116,11 @@ class BroadcastFollower:
         self.received = asyncio.Event()
         self.stats = {"weights/broadcast_received": 0.0, "weights/broadcast_failed": 0.0}
         self._seen: set[int] = set()
+        self.registered = False
+
+    def member(self, update: WeightUpdate) -> bool:
+        """Whether this engine is in ``update``'s broadcast session."""
+        return self.registered and update.transport == "distributed" and self.id in update.receivers
 
     async def run(self, stop: asyncio.Event) -> None:
         """Register (retrying until the trainer's store is up), then receive each announced session
@@ -124,49 +131,64 @@ class BroadcastFollower:
         while receiver is None and not stop.is_set():
             try:  # the trainer may start after us
                 receiver = await asyncio.to_thread(WeightReceiver, self.tc.broadcast_host, self.tc.broadcast_port,
-                                                   self.id, self.tc.broadcast_timeout_s, self.tc.broadcast_backend)
+                                                   self.id, self.tc.broadcast_timeout_s, self.tc.broadcast_backend,
+                                                   width=self.engine.broadcast_width)
             except (RuntimeError, OSError) as e:
                 log.info("weight broadcast store not reachable yet (%s); retrying", e)
                 await asyncio.sleep(1.0)
         if receiver is None:
             return
-        like = await asyncio.to_thread(self.engine.weight_shapes)
+        in_server = self.engine.receives_in_server
+        like = {} if in_server else await asyncio.to_thread(self.engine.weight_shapes)
+        self.registered = True
         log.info("registered for weight broadcasts as %s", self.id)
         try:
             while not stop.is_set():
                 todo = sorted(v for v, u in self.watcher.updates.items()
-                              if v not in self._seen and u.transport == "distributed" and self.id in u.receivers
-                              and v > self.engine.policy_version)
+                              if v not in self._seen and self.member(u) and v > self.engine.policy_version)
                 if not todo:
                     await asyncio.sleep(0.02)
                     continue
                 v = todo[-1]  # the newest; older sessions fail for want of us and fall back, harmlessly
-                self._seen.update(todo)
                 self.receiving = v
+                self._seen.update(todo)
                 t0 = time.perf_counter()
                 try:
-                    state = await asyncio.to_thread(receiver.receive, v, like)
-                    self.staged = (v, state)
+                    if in_server:
+                        rank, world = await asyncio.to_thread(receiver.session, v)
+                        plan = await asyncio.to_thread(receiver.plan, v)
+                        await asyncio.to_thread(self.engine.receive_broadcast, self.watcher.updates[v], rank, world,
+                                                plan, self.tc.broadcast_host, self.tc.broadcast_port,
+                                                self.tc.broadcast_backend, self.tc.broadcast_timeout_s)
+                    else:
+                        self.staged = (v, await asyncio.to_thread(receiver.receive, v, like))
                     self.stats["weights/broadcast_received"] += 1
                     log.info("received policy version %d by broadcast in %.2f s", v, time.perf_counter() - t0)
-                except (RuntimeError, ValueError) as e:
+                except (RuntimeError, ValueError, OSError) as e:
                     self.stats["weights/broadcast_failed"] += 1
                     log.warning("broadcast of policy version %d failed (%s); loading it from the checkpoint", v, e)
                 finally:
                     self.receiving = None
                     self.received.set()
         finally:
+            self.registered = False
             receiver.close()
 
-    async def take(self, version: int) -> dict | None:
-        """The broadcast weights of ``version``, waiting while its session is still running; None if it failed."""
-        while self.receiving == version:
+    async def take(self, update: WeightUpdate) -> dict | None:
+        """The broadcast weights of ``update`` once its session is over (waiting for it, at most the
+        broadcast timeout): a state dict (torch), ``{}`` when the server already holds them (SGLang), or
+        None when this engine is not in the session or it failed (load the checkpoint)."""
+        v = update.version
+        deadline = time.monotonic() + self.tc.broadcast_timeout_s + 5
+        while self.member(update) and (v not in self._seen or self.receiving == v) and time.monotonic() < deadline:
             self.received.clear()
             try:
-                await asyncio.wait_for(self.received.wait(), self.tc.broadcast_timeout_s + 5)
+                await asyncio.wait_for(self.received.wait(), 0.1)
             except asyncio.TimeoutError:
-                break
-        if self.staged is not None and self.staged[0] == version:
+                pass
+        if self.engine.policy_version >= v:
+            return {}
+        if self.staged is not None and self.staged[0] == v:
             state, self.staged = self.staged[1], None
             return state
         return None
@@ -178,8 +200,10 @@ async def apply_newest(engine: Engine, watcher: WeightWatcher, follower: Broadca
     while (upd := watcher.newest) is not None and upd.version > engine.policy_version:
         t0 = time.perf_counter()
         try:
-            state = await follower.take(upd.version) if follower is not None else None
-            if state is not None:
+            state = await follower.take(upd) if follower is not None else None
+            if state == {} and engine.policy_version >= upd.version:
+                return  # the server received it in place
+            if state:
                 await asyncio.to_thread(engine.load_weights_state, state, upd.version)
                 how = "broadcast"
             else:
@@ -238,7 +262,10 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
     follower = asyncio.create_task(watcher.follow(weights, stop))
     bfollow = BroadcastFollower(config, engine, watcher) if config.trainer.weight_transport == "distributed" else None
     bcast = asyncio.create_task(bfollow.run(stop)) if bfollow is not None else None
-    interrupter = (asyncio.create_task(_interrupt_on_new_weights(engine, watcher, stop))
+    if engine.receives_in_server and bfollow is not None and cfg.weight_update_policy == "finish":
+        log.warning("rollout.weight_update_policy=finish: an SGLang server takes a broadcast version as it "
+                    "arrives (pause with retract: requests in flight continue under it, their spans tagged)")
+    interrupter = (asyncio.create_task(_interrupt_on_new_weights(engine, watcher, stop, bfollow))
                    if cfg.weight_update_policy == "interrupt" else None)
     stats = {"rollout/samples": 0.0, "rollout/tokens": 0.0, "rollout/generate_s": 0.0, "rollout/tool_rounds": 0.0,
              "rollout/tool_seconds": 0.0}
@@ -291,13 +318,17 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
         engine.close()
 
 
-async def _interrupt_on_new_weights(engine: Engine, watcher: WeightWatcher, stop: asyncio.Event) -> None:
+async def _interrupt_on_new_weights(engine: Engine, watcher: WeightWatcher, stop: asyncio.Event,
+                                    follower: BroadcastFollower | None = None) -> None:
     """``weight_update_policy: interrupt``: hand every newer announced version to the engine at once, to
     be loaded between two decode steps of the running batch (the loop's :func:`apply_newest` still loads
-    it between batches if the engine cannot)."""
+    it between batches if the engine cannot). A version an SGLang server receives by broadcast is left to
+    the follower, which interrupts in the server."""
     asked = engine.policy_version
     while not stop.is_set():
         upd = watcher.newest
+        if upd is not None and engine.receives_in_server and follower is not None and follower.member(upd):
+            asked = max(asked, upd.version)
         if upd is not None and upd.version > max(asked, engine.policy_version):
             if await asyncio.to_thread(engine.interrupt_with, upd):
                 asked = upd.version

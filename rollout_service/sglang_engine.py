@@ -10,20 +10,31 @@
   weight_version, flush_cache: false}`` → ``/continue_generation``. With ``retract`` the requests in
   flight go back to the queue and re-prefill under the new weights, so an update mid-generation is
   the interruptible policy: each span is tagged with its version.
-* Health and readiness: ``GET /health_generate`` (503 while paused) and ``GET /model_info``.
+* Weights by broadcast (trainer ``weight_transport: distributed``; ``shared/weight_sync.py``): the
+  server itself joins each version's session. ``/pause_generation {retract}`` →
+  ``/begin_weight_update`` (0.5.21+; skipped when the server answers 404, as ≤ 0.5.19 do) →
+  ``/init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name,
+  backend}`` (the trainer's store; SGLang forms the group as the trainer does) → one
+  ``/update_weights_from_distributed {names, dtypes, shapes, group_name, load_format:
+  "flattened_bucket", flush_cache: false}`` per bucket of the session's plan, the last one with
+  ``weight_version`` → ``/destroy_weights_update_group`` → ``/end_weight_update`` →
+  ``/continue_generation``. NCCL on a GPU (the trainer's ``broadcast_backend: nccl``); the flattened
+  buckets need SGLang ≥ 0.5.13. A failed session leaves the weights partly updated, so the caller loads
+  the version from disk.
+* Health and readiness: ``GET /health_generate`` (503 while paused), ``GET /model_info`` and
+  ``GET /server_info`` (its ``tp_size`` is the number of ranks the server takes in a session).
 
-Not yet: the NCCL path (``/init_weights_update_group``, ``/begin_weight_update``,
-``/update_weights_from_distributed`` with flattened buckets, ``/end_weight_update``); the trainer's
-broadcast would need an SGLang receiver. Engines then load each version from the checkpoint file,
-which must be a directory SGLang can load (weights plus the model's config).
+Weight versions go to SGLang as strings (``"3"``) and come back as integers. Checkpoint files must be
+a directory SGLang can load (weights plus the model's config) for the disk path and the fallback.
 
 Checked in CI against :mod:`rollout_service.torch_sglang_server` (the same HTTP contract backed by the
-torch engine) and on a GPU by ``benchmarks/gpu_sglang_check.py``.
+torch engine, gloo instead of NCCL) and on a GPU by ``benchmarks/gpu_sglang_check.py``.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import httpx
@@ -50,11 +61,16 @@ class SGLangEngine(Engine):
         RuntimeError: the server reports a failed weight update.
     """
 
+    receives_in_server = True
+
     def __init__(self, url: str, timeout_s: float = 600.0, max_context: int | None = None) -> None:
         self.url = url.rstrip("/")
         self.http = httpx.Client(base_url=self.url, timeout=timeout_s)
         self.policy_version = 0
         self.max_context = max_context
+        self.broadcast_width = 1
+        self._weights_lock = threading.Lock()  # one weight update at a time (disk, broadcast)
+        self._begin_end: bool | None = None  # whether the server has /begin_weight_update (0.5.21+)
 
     # ------------------------------------------------------------------ health
 
@@ -77,6 +93,12 @@ class SGLangEngine(Engine):
             time.sleep(1.0)
         info = self.http.get("/model_info").json()
         self.policy_version = _version(info.get("weight_version", 0))
+        try:
+            server = self.http.get("/server_info")
+            if server.status_code == 200:
+                self.broadcast_width = int(server.json().get("tp_size") or 1)
+        except (httpx.HTTPError, ValueError):
+            pass  # older servers: one rank
         return info
 
     # ------------------------------------------------------------------ generation
@@ -126,16 +148,86 @@ class SGLangEngine(Engine):
     # ------------------------------------------------------------------ weights
 
     def update_weights(self, update: WeightUpdate) -> None:
-        """Pause (retract), load ``update.path`` from disk with its version, continue."""
-        self._post("/pause_generation", {"mode": "retract"})
+        """Pause (retract), load ``update.path`` from disk with its version, continue (a version the server
+        already holds is skipped)."""
+        with self._weights_lock:
+            if self.policy_version >= update.version:
+                return
+            self._post("/pause_generation", {"mode": "retract"})
+            try:
+                res = self._post("/update_weights_from_disk", {"model_path": update.path,
+                                                                "weight_version": str(update.version),
+                                                                "flush_cache": False})
+                if not res.get("success", False):
+                    raise RuntimeError(f"SGLang could not load version {update.version}: {res.get('message')}")
+                self.policy_version = update.version
+            finally:
+                self._post("/continue_generation", {})
+
+    def receive_broadcast(self, update: WeightUpdate, rank_offset: int, world_size: int, plan: list[list[str]],
+                          master_address: str, master_port: int, backend: str, timeout_s: float) -> None:
+        """Have the server join broadcast session ``v<update.version>`` and take its buckets (the sequence in
+        the module docstring); ``update.manifest`` gives each tensor's shape and dtype.
+
+        Raises:
+            RuntimeError: the server refused a step or the session failed (weights may be partly updated).
+            httpx.HTTPError: the server cannot be reached.
+        """
+        specs = {t.name: t for t in update.manifest}
+        missing = [n for names in plan for n in names if n not in specs]
+        if missing:
+            raise RuntimeError(f"v{update.version}: the plan names tensors missing from the manifest: {missing[:3]}")
+        group = f"v{update.version}/"
+        wait = timeout_s + 30  # the server's own collective bound comes first
+        with self._weights_lock:
+            if self.policy_version >= update.version:
+                return
+            self._post("/pause_generation", {"mode": "retract"})
+            began = joined = False
+            try:
+                began = self._begin()
+                self._check(self._post("/init_weights_update_group", {
+                    "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                    "world_size": world_size, "group_name": group, "backend": backend}, timeout=wait), "join")
+                joined = True
+                for k, names in enumerate(plan):
+                    body = {"names": names, "dtypes": [specs[n].dtype for n in names],
+                            "shapes": [specs[n].shape for n in names], "group_name": group,
+                            "load_format": "flattened_bucket", "flush_cache": False}
+                    if k == len(plan) - 1:
+                        body["weight_version"] = str(update.version)
+                    self._check(self._post("/update_weights_from_distributed", body, timeout=wait), f"bucket {k}")
+                self.policy_version = update.version
+            finally:
+                if joined:
+                    self._post_quietly("/destroy_weights_update_group", {"group_name": group})
+                if began:
+                    self._post_quietly("/end_weight_update", {})
+                self._post("/continue_generation", {})
+
+    def _begin(self) -> bool:
+        """``/begin_weight_update`` when the server has it (0.5.21+ requires it around distributed updates)."""
+        if self._begin_end is False:
+            return False
+        r = self.http.post("/begin_weight_update", json={})
+        if r.status_code == 404:
+            self._begin_end = False
+            return False
+        r.raise_for_status()
+        self._begin_end = True
+        self._check(r.json() if r.content else {"success": True}, "begin")
+        return True
+
+    @staticmethod
+    def _check(res: dict, what: str) -> None:
+        if res.get("success") is False:
+            raise RuntimeError(f"SGLang weight update failed at {what}: {res.get('message')}")
+
+    def _post_quietly(self, path: str, body: dict) -> None:
         try:
-            res = self._post("/update_weights_from_disk", {"model_path": update.path, "weight_version": str(update.version),
-                                                            "flush_cache": False})
-            if not res.get("success", False):
-                raise RuntimeError(f"SGLang could not load version {update.version}: {res.get('message')}")
-            self.policy_version = update.version
-        finally:
-            self._post("/continue_generation", {})
+            self._post(path, body)
+        except httpx.HTTPError as e:
+            log.warning("%s failed: %s", path, e)
 
     def interrupt_with(self, update: WeightUpdate) -> bool:
         """The same sequence while a ``/generate`` is in flight: its requests are retracted, re-prefilled
@@ -143,8 +235,8 @@ class SGLangEngine(Engine):
         self.update_weights(update)
         return True
 
-    def _post(self, path: str, body: dict) -> dict:
-        r = self.http.post(path, json=body)
+    def _post(self, path: str, body: dict, timeout: float | None = None) -> dict:
+        r = self.http.post(path, json=body, **({"timeout": timeout} if timeout else {}))
         r.raise_for_status()
         try:
             return r.json()

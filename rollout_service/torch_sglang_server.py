@@ -7,8 +7,15 @@ SGLang's API that the engine uses, with SGLang's request and response shapes
 ``meta_info.output_token_logprobs``, ``finish_reason``, ``weight_version``, ``weight_versions``),
 ``/update_weights_from_disk``, ``/pause_generation`` (``retract``: running requests continue under
 the new weights), ``/continue_generation``, ``/health``, ``/health_generate`` (503 while paused),
-``/model_info``, ``/update_weight_version`` and ``/flush_cache``. The real server is checked by
-``benchmarks/gpu_sglang_check.py`` on a GPU machine.
+``/model_info``, ``/server_info``, ``/update_weight_version``, ``/flush_cache``, and the broadcast path:
+``/init_weights_update_group`` (joins the trainer's store as SGLang's ``init_custom_process_group``
+does; gloo here, NCCL in SGLang), ``/update_weights_from_distributed`` (per-tensor or
+``flattened_bucket``), ``/destroy_weights_update_group`` and, as 0.5.21+ requires around distributed
+updates, ``/begin_weight_update`` / ``/end_weight_update`` (``require_begin=False`` emulates ≤ 0.5.19,
+which has neither). Buckets are staged and loaded together when the bucket carrying
+``weight_version`` (or ``/continue_generation``) arrives; SGLang loads each at once, which is the
+same while generation is paused. The real server is checked by ``benchmarks/gpu_sglang_check.py``
+on a GPU machine.
 
     python -m rollout_service.torch_sglang_server MODEL_DIR --port 30000
 """
@@ -19,10 +26,12 @@ import argparse
 import asyncio
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -30,6 +39,9 @@ from rollout_service.engine import GenerationRequest
 from rollout_service.torch_engine import TorchEngine
 from shared.model import load_model, load_tokenizer
 from shared.schemas import SamplingParams
+from shared.weight_sync import join_group, leave_group
+
+GROUP_TIMEOUT_S = 60.0
 
 
 def _load_dir(model: torch.nn.Module, path: str) -> None:
@@ -43,10 +55,15 @@ def _load_dir(model: torch.nn.Module, path: str) -> None:
         model.load_state_dict(load_file(str(f)), strict=False)
 
 
-def build_app(engine: TorchEngine, model_path: str = "") -> FastAPI:
-    """The FastAPI app serving ``engine`` with SGLang's HTTP contract (see the module docstring)."""
+def build_app(engine: TorchEngine, model_path: str = "", require_begin: bool = True,
+              group_timeout_s: float = GROUP_TIMEOUT_S) -> FastAPI:
+    """The FastAPI app serving ``engine`` with SGLang's HTTP contract (see the module docstring);
+    ``require_begin=False`` answers like SGLang ≤ 0.5.19 (no begin/end endpoints); ``group_timeout_s``
+    bounds forming a broadcast group and each of its collectives (seconds)."""
     app = FastAPI(title="torch-backed SGLang stand-in (not SGLang)")
-    state: dict[str, Any] = {"paused": False, "version": "0", "in_flight": 0}
+    state: dict[str, Any] = {"paused": False, "version": "0", "in_flight": 0, "updating": False}
+    groups: dict[str, Any] = {}
+    staged: dict[str, torch.Tensor] = {}
     cond = threading.Condition()
 
     def _gen(body: dict) -> list[dict]:
@@ -105,10 +122,39 @@ def build_app(engine: TorchEngine, model_path: str = "") -> FastAPI:
 
     @app.post("/continue_generation")
     async def resume(req: Request):
+        if staged:  # buckets without a closing weight_version
+            await asyncio.to_thread(apply_staged, state["version"])
         with cond:
             state["paused"] = False
             cond.notify_all()
         return {"success": True}
+
+    def apply(loader) -> None:
+        """Run ``loader`` between two decode steps of the generation in flight (retract: it continues under
+        the new weights), or now when none is."""
+        engine.request_interrupt(loader)
+        with cond:
+            idle = state["in_flight"] == 0
+        if not idle:
+            deadline = time.monotonic() + 600
+            while engine.has_pending and time.monotonic() < deadline:
+                time.sleep(0.005)
+        engine.serve_pending()  # idle, or the generation finished before a step boundary
+
+    def apply_staged(version: str) -> None:
+        weights = dict(staged)
+        staged.clear()
+        known = engine.model.state_dict()
+        unknown = [k for k in weights if k not in known]
+        if unknown:
+            raise ValueError(f"unknown parameter names: {unknown[:3]}")
+
+        def loader() -> int:
+            engine.model.load_state_dict(weights, strict=False)
+            return int(version.lstrip("v") or 0)
+
+        apply(loader)
+        state["version"] = version
 
     @app.post("/update_weights_from_disk")
     async def update(req: Request):
@@ -119,24 +165,82 @@ def build_app(engine: TorchEngine, model_path: str = "") -> FastAPI:
             _load_dir(engine.model, body["model_path"])
             return int(version.lstrip("v") or 0)
 
-        def apply() -> None:
-            engine.request_interrupt(loader)  # running requests are retracted and continue with it
-            with cond:
-                idle = state["in_flight"] == 0
-            if idle:
-                engine.serve_pending()
-            else:
-                deadline = time.monotonic() + 600
-                while engine.has_pending and time.monotonic() < deadline:
-                    time.sleep(0.005)
-                engine.serve_pending()  # the generation finished before a step boundary
-
         try:
-            await asyncio.to_thread(apply)
+            await asyncio.to_thread(apply, loader)
         except (OSError, RuntimeError, ValueError) as e:
             return {"success": False, "message": str(e), "num_paused_requests": 0}
         state["version"] = version
         return {"success": True, "message": "ok", "num_paused_requests": 0}
+
+    @app.post("/init_weights_update_group")
+    async def init_group(req: Request):
+        b = await req.json()
+        name = b.get("group_name", "weight_update_group")
+
+        def join():
+            store, _, _ = next(dist.rendezvous(f"tcp://{b['master_address']}:{b['master_port']}", b["rank_offset"],
+                                               b["world_size"], timeout=timedelta(seconds=group_timeout_s)))
+            return join_group(store, name, b["rank_offset"], b["world_size"], b.get("backend", "nccl"), group_timeout_s)
+
+        if name in groups:
+            return {"success": False, "message": f"group {name} already exists"}
+        try:
+            groups[name] = await asyncio.to_thread(join)
+        except (RuntimeError, ValueError, dist.DistError) as e:
+            return {"success": False, "message": f"failed to init group: {e}"}
+        return {"success": True, "message": "ok"}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_distributed(req: Request):
+        b = await req.json()
+        if require_begin and not state["updating"]:  # as SGLang 0.5.21+ answers
+            return {"success": False, "message": "call /begin_weight_update before a distributed update"}
+        pg = groups.get(b.get("group_name", "weight_update_group"))
+        if pg is None:
+            return {"success": False, "message": f"group {b.get('group_name')} not initialised"}
+
+        def receive() -> None:
+            specs = [(n, getattr(torch, d), s) for n, d, s in zip(b["names"], b["dtypes"], b["shapes"])]
+            if b.get("load_format") == "flattened_bucket":
+                sizes = [torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, d, s in specs]
+                buf = torch.empty(sum(sizes), dtype=torch.uint8)
+                dist.broadcast(buf, src=0, group=pg)
+                off = 0
+                for (n, d, s), size in zip(specs, sizes):
+                    staged[n] = buf[off:off + size].view(d).view(s).clone()
+                    off += size
+            else:
+                for n, d, s in specs:
+                    t = torch.empty(s, dtype=d)
+                    dist.broadcast(t, src=0, group=pg)
+                    staged[n] = t
+            if b.get("weight_version") is not None:
+                apply_staged(str(b["weight_version"]))
+
+        try:
+            await asyncio.to_thread(receive)
+        except (RuntimeError, ValueError, dist.DistError) as e:
+            return {"success": False, "message": f"Failed to update parameter online: {e}"}
+        return {"success": True, "message": "Succeeded to update parameter online."}
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_group(req: Request):
+        pg = groups.pop((await req.json()).get("group_name", "weight_update_group"), None)
+        if pg is None:
+            return {"success": False, "message": "no such group"}
+        leave_group(pg)
+        return {"success": True, "message": "ok"}
+
+    if require_begin:
+        @app.post("/begin_weight_update")
+        async def begin():
+            state["updating"] = True
+            return {"success": True, "message": "ok"}
+
+        @app.post("/end_weight_update")
+        async def end():
+            state["updating"] = False
+            return {"success": True, "message": "ok"}
 
     @app.post("/update_weight_version")
     async def set_version(req: Request):
@@ -151,6 +255,10 @@ def build_app(engine: TorchEngine, model_path: str = "") -> FastAPI:
     @app.get("/health_generate")
     async def health():
         return JSONResponse({"status": "paused"}, 503) if state["paused"] else {"status": "ok"}
+
+    @app.get("/server_info")
+    async def server_info():
+        return {"tp_size": 1, "dp_size": 1, "model_path": model_path, "weight_version": state["version"]}
 
     @app.get("/model_info")
     async def model_info():

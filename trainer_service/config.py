@@ -80,11 +80,13 @@ class TrainerConfig(BaseModel):
     ``distributed`` (a torch.distributed broadcast to the engines registered with the trainer, the file
     staying the fallback; ``shared/weight_sync.py``)."""
     broadcast_host: str = "127.0.0.1"
-    """Where the trainer's TCPStore for the broadcast listens (``distributed``)."""
+    """Where the trainer's TCPStore for the broadcast listens (``distributed``); rollout engines, and the
+    SGLang servers they drive (``master_address``), connect to it, so it must be reachable from both."""
     broadcast_port: int = Field(29650, ge=1, le=65535)
     """Its port (the launcher picks a free one in embedded mode)."""
     broadcast_backend: Literal["gloo", "nccl"] = "gloo"
-    """gloo for CPU weights, nccl for CUDA."""
+    """gloo for CPU weights, nccl for CUDA (an SGLang server receives with NCCL; every rank of a
+    session needs its own GPU)."""
     broadcast_timeout_s: float = Field(10.0, gt=0, le=3600)
     """Bound on a broadcast session (joining, and each bucket); past it the version falls back to the file."""
     keep_checkpoints: int = Field(3, ge=1, le=1000)

@@ -158,7 +158,7 @@ async def _publish(config: FlywheelConfig, store: CheckpointStore, buffer: Group
     update = await asyncio.to_thread(store.save_weights, weights, config.model.name, version, step, ids)
     receivers = await asyncio.to_thread(broadcaster.live_receivers) if broadcaster else []
     if receivers:  # the file stays the fallback for anyone outside the session or whose session fails
-        await asyncio.to_thread(broadcaster.prepare, version, receivers)
+        await asyncio.to_thread(broadcaster.prepare, version, receivers, weights)
         update = update.model_copy(update={"transport": "distributed", "receivers": receivers})
     await (await kafka.send(producer, topics.WEIGHTS, update, update.model))
     metrics["time/publish_s"] = time.perf_counter() - t0  # step end → version announced, less the snapshot

@@ -145,6 +145,32 @@ def test_weights_travel_by_broadcast_and_the_file_stays_the_fallback(tiny, tmp_p
     assert rep["eval"]["after"]["policy_version"] == 8
 
 
+def test_an_sglang_engine_takes_broadcast_weights_in_the_server(tiny, tmp_path):
+    """rollout.engine=sglang against the torch-backed stand-in (SGLang's HTTP contract, not SGLang) with
+    trainer.weight_transport=distributed: the server itself joins each version's session
+    (/init_weights_update_group, flattened buckets), and training runs end to end on its samples."""
+    from shared.broker import free_port, stop_pid
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "rollout_service.torch_sglang_server", str(tiny), "--port",
+                               str(port)], cwd=ROOT)
+    try:
+        report = tmp_path / "report.json"
+        _flywheel("run", str(ROOT / "examples/toy.yaml"), "--set", f"model.name={tiny}", "--set",
+                  f"run.dir={tmp_path / 'runs'}", "--set", "rollout.engine=sglang", "--set",
+                  f"rollout.sglang_url=http://127.0.0.1:{port}", "--set", "trainer.weight_transport=distributed",
+                  "--set", "trainer.max_steps=6", "--report", str(report), "--timeout", "300", cwd=tmp_path)
+        rep = json.loads(report.read_text())
+        sent = [h.get("weights/broadcast_ok") for h in rep["history"]]
+        assert len(sent) == 6 and sum(1 for x in sent if x == 1.0) >= 4, sent
+        log = (Path(rep["run_dir"]) / "logs" / "rollout.log").read_text()
+        assert "received policy version 6 by broadcast" in log, log[-3000:]
+        assert httpx.get(f"http://127.0.0.1:{port}/model_info", timeout=5).json()["weight_version"] == "6"
+        assert rep["eval"]["after"]["policy_version"] == 6
+    finally:
+        stop_pid(server)
+
+
 def test_interrupting_generation_for_new_weights_runs_end_to_end(tiny, tmp_path):
     """``rollout.weight_update_policy: interrupt``: versions load mid-generation, the trajectories carry
     tokens of two versions, and training goes on and learns."""

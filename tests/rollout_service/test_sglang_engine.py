@@ -3,8 +3,14 @@ needs a GPU: ``benchmarks/gpu_sglang_check.py`` checks the real one)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,18 +20,23 @@ from rollout_service.sglang_engine import SGLangEngine
 from rollout_service.torch_engine import TorchEngine
 from rollout_service.torch_sglang_server import build_app
 from shared.model import build_tiny_model, encode_chat, load_model, load_tokenizer
+from shared.checkpoint import manifest, snapshot_weights
 from shared.schemas import SamplingParams, WeightUpdate
+from shared.weight_sync import WeightReceiver
 from tests.conftest import free_port
 
 
-@pytest.fixture
-def server(tmp_path):
+@pytest.fixture(params=[True])
+def server(request, tmp_path):
+    """The stand-in in a thread: (url, its torch engine, model dir, tmp dir). ``request.param`` is
+    ``require_begin`` (True: SGLang 0.5.21+; False: ≤ 0.5.19, without begin/end)."""
     import uvicorn
 
     d = build_tiny_model(tmp_path / "tiny")
     engine = TorchEngine(load_model(d), load_tokenizer(d), seed=0)
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, str(d)), host="127.0.0.1", port=port, log_level="warning"))
+    app = build_app(engine, str(d), require_begin=request.param, group_timeout_s=10.0)
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     t = threading.Thread(target=srv.run, daemon=True)
     t.start()
     while not srv.started:
@@ -103,3 +114,140 @@ def test_an_update_during_generation_continues_it_under_the_new_version(server):
         vs = [(v.version, v.start, v.end) for v in s.versions]
         assert [v for v, _, _ in vs] == [0, 1] and vs[0][1] == 0 and vs[0][2] == vs[1][1] and vs[1][2] == 400, vs
     eng.close()
+
+
+TRAINER = textwrap.dedent("""
+    import json, os, sys, time
+    from pathlib import Path
+    from shared.checkpoint import snapshot_weights
+    from shared.model import load_model
+    from shared.weight_sync import WeightBroadcaster
+    port, out, receivers = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3].split(",")
+    bc = WeightBroadcaster("127.0.0.1", port, timeout_s=10.0, bucket_bytes=64 * 1024)  # several buckets
+    (out / "ready").touch()
+    version = 1
+    while True:
+        go = out / f"go{version}"
+        while not go.exists():
+            time.sleep(0.01)
+        weights = snapshot_weights(load_model(Path(go.read_text())))
+        bc.prepare(version, receivers, weights)
+        res = bc.broadcast(version, weights, receivers)
+        (out / f"v{version}.json").write_text(json.dumps(res))
+        version += 1
+""")
+
+
+@pytest.fixture
+def trainer(tmp_path):
+    """The trainer's side of the broadcast in its own process (a process group name is registered once
+    per process, so the stand-in server and the trainer cannot share one): ``start(receivers)`` returns
+    ``(port, session)``, where ``session(eng, receiver, version, model_dir)`` runs one version's session
+    (calling ``before_join()``, if given, once the trainer waits for the server)."""
+    procs: list[subprocess.Popen] = []
+
+    def start(receivers: list[str]):
+        port, out = free_port(), tmp_path / f"trainer{len(procs)}"
+        out.mkdir()
+        procs.append(subprocess.Popen([sys.executable, "-c", TRAINER, str(port), str(out), ",".join(receivers)],
+                                      env=dict(os.environ, PYTHONPATH=os.getcwd())))
+        deadline = time.monotonic() + 60
+        while not (out / "ready").exists():
+            assert procs[-1].poll() is None and time.monotonic() < deadline, "trainer did not start"
+            time.sleep(0.02)
+
+        def session(eng: SGLangEngine, receiver: WeightReceiver, version: int, model_dir: Path,
+                    before_join=None) -> dict:
+            weights = snapshot_weights(load_model(model_dir))
+            update = WeightUpdate(model="m", version=version, step=version, manifest=manifest(weights),
+                                  checksum="sha256:x", transport="distributed", receivers=receivers)
+            (out / f"go{version}").write_text(str(model_dir))
+            try:
+                rank, world = receiver.session(version)  # the trainer has prepared the session
+                if before_join is not None:
+                    before_join()
+                eng.receive_broadcast(update, rank, world, receiver.plan(version), "127.0.0.1", port, "gloo", 10.0)
+            finally:
+                deadline = time.monotonic() + 30
+                while not (out / f"v{version}.json").exists() and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            return json.loads((out / f"v{version}.json").read_text())
+
+        return port, session
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+@pytest.mark.parametrize("server", [True, False], indirect=True, ids=["sglang-0.5.21+", "sglang-0.5.19"])
+def test_broadcast_sessions_update_the_server_in_place(server, trainer):
+    """The NCCL path's HTTP sequence (gloo here): the server joins each version's session through
+    /init_weights_update_group, takes flattened buckets, and serves the new version exactly."""
+    url, backend, d, tmp = server
+    eng = SGLangEngine(url)
+    eng.wait_ready(timeout_s=10)
+    port, session = trainer(["sglang-0"])
+    receiver = WeightReceiver("127.0.0.1", port, "sglang-0", timeout_s=60.0, width=eng.broadcast_width)
+    try:
+        for version, seed in ((1, 9), (2, 11)):  # the group is destroyed after each: its name is free again
+            model_dir = build_tiny_model(tmp / f"w{seed}", seed=seed)
+            weights = snapshot_weights(load_model(model_dir))
+            res = session(eng, receiver, version, model_dir)
+            assert res["ok"] and len(receiver.plan(version)) > 1, res
+            assert eng.policy_version == version and eng.http.get("/model_info").json()["weight_version"] == str(version)
+            have = backend.model.state_dict()
+            assert all(torch.equal(have[k], v) for k, v in weights.items())
+        p = encode_chat(backend.tokenizer, [{"role": "user", "content": "x"}])
+        (s,) = eng.generate([GenerationRequest(p, 1, SamplingParams(max_new_tokens=3, temperature=0.0))])[0]
+        assert s.versions[-1].version == 2
+        assert eng.http.get("/health_generate").status_code == 200  # continued
+    finally:
+        receiver.close()
+        eng.close()
+
+
+def test_a_broadcast_mid_generation_tags_both_versions(server, trainer):
+    url, backend, d, tmp = server
+    backend.model.generation_config.eos_token_id = None
+    backend.eos_ids = set()
+    eng = SGLangEngine(url)
+    port, session = trainer(["sglang-0"])
+    receiver = WeightReceiver("127.0.0.1", port, "sglang-0", timeout_s=60.0)
+    p = encode_chat(backend.tokenizer, [{"role": "user", "content": "long"}])
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(r=eng.generate(
+        [GenerationRequest(p, 2, SamplingParams(max_new_tokens=400, temperature=1.0, seed=1))])))
+
+    def generating():
+        t.start()
+        time.sleep(0.3)  # under way
+
+    try:
+        assert session(eng, receiver, 1, build_tiny_model(tmp / "w", seed=9), before_join=generating)["ok"]
+        t.join(60)
+        for s in out["r"][0]:
+            vs = [(v.version, v.start, v.end) for v in s.versions]
+            assert [v for v, _, _ in vs] == [0, 1] and vs[0][2] == vs[1][1] and vs[1][2] == 400, vs
+    finally:
+        receiver.close()
+        eng.close()
+
+
+def test_a_session_that_never_forms_fails_cleanly_and_the_server_goes_on(server, trainer):
+    """A member that never joins: the trainer's broadcast and the server's join both time out; the engine
+    raises (the caller loads the checkpoint) and the server is unpaused, on its old version."""
+    url, backend, d, tmp = server
+    eng = SGLangEngine(url)
+    port, session = trainer(["sglang-0", "ghost"])
+    receiver = WeightReceiver("127.0.0.1", port, "sglang-0", timeout_s=60.0)
+    before = {k: v.clone() for k, v in backend.model.state_dict().items()}
+    try:
+        with pytest.raises(RuntimeError, match="at join"):
+            session(eng, receiver, 1, build_tiny_model(tmp / "w", seed=9))
+        assert eng.policy_version == 0 and eng.http.get("/health_generate").status_code == 200
+        assert all(torch.equal(before[k], v) for k, v in backend.model.state_dict().items())
+    finally:
+        receiver.close()
+        eng.close()

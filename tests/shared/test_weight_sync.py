@@ -32,13 +32,12 @@ RECEIVER = textwrap.dedent("""
         if mode == "stall":
             time.sleep(60)
         if mode == "die" and version == 1:
-            import torch.distributed as dist
-            real = dist.ProcessGroupGloo.broadcast
-            def die_after_first(self, *a, **k):
-                work = real(self, *a, **k)
-                work.wait()
+            import shared.weight_sync as ws
+            real = ws._bcast
+            def die_after_first(pg, buf):
+                real(pg, buf)
                 os.kill(os.getpid(), 9)  # mid-broadcast: one bucket in, many to go
-            dist.ProcessGroupGloo.broadcast = die_after_first
+            ws._bcast = die_after_first
         try:
             got = r.receive(version, like, world)
             torch.save(got, f"{out}.v{version}")
