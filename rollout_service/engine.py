@@ -63,9 +63,10 @@ class Engine(abc.ABC):
         raise NotImplementedError
 
     def receive_broadcast(self, update: WeightUpdate, rank_offset: int, world_size: int, plan: list[list[str]],
-                          master_address: str, master_port: int, backend: str, timeout_s: float) -> None:
+                          master_address: str, master_port: int, backend: str, timeout_s: float) -> bool:
         """Engines with ``receives_in_server``: have the server join session ``v<update.version>`` (ranks
-        ``rank_offset ..``), receive the buckets of ``plan`` and switch to that version; blocking.
+        ``rank_offset ..``), receive the buckets of ``plan`` and switch to that version; blocking. Returns
+        True when it took the version by broadcast, False when it already held it.
 
         Raises:
             RuntimeError: the session failed (the server may hold partly updated weights: the caller loads

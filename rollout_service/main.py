@@ -19,6 +19,7 @@ import socket
 import time
 from pathlib import Path
 
+import httpx
 import torch
 from opentelemetry import trace
 
@@ -154,19 +155,27 @@ class BroadcastFollower:
                 self._seen.update(todo)
                 t0 = time.perf_counter()
                 try:
+                    took = True
                     if in_server:
                         rank, world = await asyncio.to_thread(receiver.session, v)
                         plan = await asyncio.to_thread(receiver.plan, v)
-                        await asyncio.to_thread(self.engine.receive_broadcast, self.watcher.updates[v], rank, world,
-                                                plan, self.tc.broadcast_host, self.tc.broadcast_port,
-                                                self.tc.broadcast_backend, self.tc.broadcast_timeout_s)
+                        took = await asyncio.to_thread(self.engine.receive_broadcast, self.watcher.updates[v], rank,
+                                                       world, plan, self.tc.broadcast_host, self.tc.broadcast_port,
+                                                       self.tc.broadcast_backend, self.tc.broadcast_timeout_s)
                     else:
                         self.staged = (v, await asyncio.to_thread(receiver.receive, v, like))
-                    self.stats["weights/broadcast_received"] += 1
-                    log.info("received policy version %d by broadcast in %.2f s", v, time.perf_counter() - t0)
-                except (RuntimeError, ValueError, OSError) as e:
+                    if took:
+                        self.stats["weights/broadcast_received"] += 1
+                        log.info("received policy version %d by broadcast in %.2f s", v, time.perf_counter() - t0)
+                    else:
+                        log.info("policy version %d was already loaded from its checkpoint", v)
+                except (RuntimeError, ValueError, OSError, httpx.HTTPError) as e:
                     self.stats["weights/broadcast_failed"] += 1
                     log.warning("broadcast of policy version %d failed (%s); loading it from the checkpoint", v, e)
+                except Exception as e:  # noqa: BLE001 - the follower must outlive any one session
+                    self.stats["weights/broadcast_failed"] += 1
+                    log.exception("broadcast of policy version %d failed unexpectedly (%s); loading it from the "
+                                  "checkpoint", v, e)
                 finally:
                     self.receiving = None
                     self.received.set()
@@ -211,7 +220,7 @@ async def apply_newest(engine: Engine, watcher: WeightWatcher, follower: Broadca
                 how = "checkpoint"
             log.info("loaded policy version %d (%s) in %.2f s", upd.version, how, time.perf_counter() - t0)
             return
-        except (OSError, ValueError, RuntimeError) as e:
+        except (OSError, ValueError, RuntimeError, httpx.HTTPError) as e:
             log.error("cannot load policy version %d, skipping it: %s", upd.version, e)
             watcher.bad.add(upd.version)
 
@@ -330,9 +339,13 @@ async def _interrupt_on_new_weights(engine: Engine, watcher: WeightWatcher, stop
         if upd is not None and engine.receives_in_server and follower is not None and follower.member(upd):
             asked = max(asked, upd.version)
         if upd is not None and upd.version > max(asked, engine.policy_version):
-            if await asyncio.to_thread(engine.interrupt_with, upd):
-                asked = upd.version
-                log.info("policy version %d: interrupting generation to load it", upd.version)
+            try:
+                if await asyncio.to_thread(engine.interrupt_with, upd):
+                    log.info("policy version %d: interrupting generation to load it", upd.version)
+            except (OSError, ValueError, RuntimeError, httpx.HTTPError) as e:
+                log.warning("policy version %d: could not interrupt generation for it (%s); it loads between "
+                            "batches", upd.version, e)
+            asked = upd.version
         await asyncio.sleep(0.05)  # polls: the loop's own waits own watcher.changed
 
 

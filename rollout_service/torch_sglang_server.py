@@ -122,12 +122,19 @@ def build_app(engine: TorchEngine, model_path: str = "", require_begin: bool = T
 
     @app.post("/continue_generation")
     async def resume(req: Request):
+        problem = None
         if staged:  # buckets without a closing weight_version
-            await asyncio.to_thread(apply_staged, state["version"])
+            try:
+                await asyncio.to_thread(apply_staged, state["version"])
+            except (RuntimeError, ValueError) as e:
+                problem = str(e)
         with cond:
             state["paused"] = False
             cond.notify_all()
-        return {"success": True}
+        return refuse(f"resumed without the staged weights: {problem}") if problem else {"success": True}
+
+    def refuse(message: str) -> JSONResponse:
+        return JSONResponse({"success": False, "message": message}, 400)  # as SGLang answers a failed update
 
     def apply(loader) -> None:
         """Run ``loader`` between two decode steps of the generation in flight (retract: it continues under
@@ -165,10 +172,12 @@ def build_app(engine: TorchEngine, model_path: str = "", require_begin: bool = T
             _load_dir(engine.model, body["model_path"])
             return int(version.lstrip("v") or 0)
 
+        staged.clear()  # buckets of a failed session: the disk load supersedes them, as it does in SGLang
+
         try:
             await asyncio.to_thread(apply, loader)
-        except (OSError, RuntimeError, ValueError) as e:
-            return {"success": False, "message": str(e), "num_paused_requests": 0}
+        except (OSError, RuntimeError, ValueError, KeyError) as e:
+            return refuse(str(e))
         state["version"] = version
         return {"success": True, "message": "ok", "num_paused_requests": 0}
 
@@ -183,24 +192,36 @@ def build_app(engine: TorchEngine, model_path: str = "", require_begin: bool = T
             return join_group(store, name, b["rank_offset"], b["world_size"], b.get("backend", "nccl"), group_timeout_s)
 
         if name in groups:
-            return {"success": False, "message": f"group {name} already exists"}
+            return refuse(f"group {name} already exists")
         try:
             groups[name] = await asyncio.to_thread(join)
-        except (RuntimeError, ValueError, dist.DistError) as e:
-            return {"success": False, "message": f"failed to init group: {e}"}
+        except (RuntimeError, ValueError, KeyError, TypeError, dist.DistError) as e:
+            return refuse(f"failed to init group: {e}")
         return {"success": True, "message": "ok"}
 
     @app.post("/update_weights_from_distributed")
     async def update_distributed(req: Request):
         b = await req.json()
         if require_begin and not state["updating"]:  # as SGLang 0.5.21+ answers
-            return {"success": False, "message": "call /begin_weight_update before a distributed update"}
+            return refuse("call /begin_weight_update before a distributed update")
         pg = groups.get(b.get("group_name", "weight_update_group"))
         if pg is None:
-            return {"success": False, "message": f"group {b.get('group_name')} not initialised"}
+            return refuse(f"group {b.get('group_name')} not initialised")
+        try:
+            names, dtypes, shapes = list(b["names"]), list(b["dtypes"]), list(b["shapes"])
+            if not len(names) == len(dtypes) == len(shapes):
+                raise ValueError("names, dtypes and shapes differ in length")
+            specs = [(n, getattr(torch, d), torch.Size(s)) for n, d, s in zip(names, dtypes, shapes)]
+            if not all(isinstance(d, torch.dtype) for _, d, _ in specs):
+                raise ValueError("a dtype is not a torch dtype name")
+            known = engine.model.state_dict()
+            bad = [n for n, _, s in specs if n not in known or known[n].shape != s]
+            if bad:
+                raise ValueError(f"unknown parameter names or wrong shapes: {bad[:3]}")
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            return refuse(f"bad request: {e}")
 
         def receive() -> None:
-            specs = [(n, getattr(torch, d), s) for n, d, s in zip(b["names"], b["dtypes"], b["shapes"])]
             if b.get("load_format") == "flattened_bucket":
                 sizes = [torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, d, s in specs]
                 buf = torch.empty(sum(sizes), dtype=torch.uint8)
@@ -220,14 +241,14 @@ def build_app(engine: TorchEngine, model_path: str = "", require_begin: bool = T
         try:
             await asyncio.to_thread(receive)
         except (RuntimeError, ValueError, dist.DistError) as e:
-            return {"success": False, "message": f"Failed to update parameter online: {e}"}
+            return refuse(f"Failed to update parameter online: {e}")
         return {"success": True, "message": "Succeeded to update parameter online."}
 
     @app.post("/destroy_weights_update_group")
     async def destroy_group(req: Request):
         pg = groups.pop((await req.json()).get("group_name", "weight_update_group"), None)
         if pg is None:
-            return {"success": False, "message": "no such group"}
+            return refuse("no such group")
         leave_group(pg)
         return {"success": True, "message": "ok"}
 

@@ -119,8 +119,11 @@ def leave_group(pg) -> None:
 
 def _bcast(pg, buf: torch.Tensor) -> None:
     """One bucket's broadcast from rank 0: sends ``buf`` on rank 0, fills it elsewhere (a seam the tests use
-    to kill a receiver mid-session)."""
+    to kill a receiver mid-session). With NCCL, ``wait`` only orders the current stream: the device is
+    synchronised so the bytes are in place (or sent) before the group is destroyed."""
     pg.broadcast(buf, 0).wait()
+    if buf.is_cuda:
+        torch.cuda.synchronize(buf.device)
 
 
 def _device(backend: str) -> str:

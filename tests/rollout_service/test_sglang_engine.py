@@ -143,7 +143,8 @@ def trainer(tmp_path):
     """The trainer's side of the broadcast in its own process (a process group name is registered once
     per process, so the stand-in server and the trainer cannot share one): ``start(receivers)`` returns
     ``(port, session)``, where ``session(eng, receiver, version, model_dir)`` runs one version's session
-    (calling ``before_join()``, if given, once the trainer waits for the server)."""
+    (calling ``before_join()``, if given, once the trainer waits for the server; ``edit`` changes the
+    WeightUpdate the engine sees)."""
     procs: list[subprocess.Popen] = []
 
     def start(receivers: list[str]):
@@ -157,10 +158,12 @@ def trainer(tmp_path):
             time.sleep(0.02)
 
         def session(eng: SGLangEngine, receiver: WeightReceiver, version: int, model_dir: Path,
-                    before_join=None) -> dict:
+                    before_join=None, edit=None) -> dict:
             weights = snapshot_weights(load_model(model_dir))
             update = WeightUpdate(model="m", version=version, step=version, manifest=manifest(weights),
-                                  checksum="sha256:x", transport="distributed", receivers=receivers)
+                                  checksum="sha256:x", transport="distributed", receivers=receivers,
+                                  path=str(model_dir))
+            update = edit(update) if edit is not None else update
             (out / f"go{version}").write_text(str(model_dir))
             try:
                 rank, world = receiver.session(version)  # the trainer has prepared the session
@@ -248,6 +251,33 @@ def test_a_session_that_never_forms_fails_cleanly_and_the_server_goes_on(server,
             session(eng, receiver, 1, build_tiny_model(tmp / "w", seed=9))
         assert eng.policy_version == 0 and eng.http.get("/health_generate").status_code == 200
         assert all(torch.equal(before[k], v) for k, v in backend.model.state_dict().items())
+    finally:
+        receiver.close()
+        eng.close()
+
+
+def test_a_session_that_breaks_after_the_join_loads_the_version_from_disk_before_resuming(server, trainer):
+    """SGLang loads buckets as they arrive: when the last bucket is refused (HTTP 400, as SGLang answers),
+    the engine loads the version from its checkpoint while still paused, then raises."""
+    url, backend, d, tmp = server
+    eng = SGLangEngine(url)
+    port, session = trainer(["sglang-0"])
+    receiver = WeightReceiver("127.0.0.1", port, "sglang-0", timeout_s=60.0)
+    model_dir = build_tiny_model(tmp / "w", seed=9)
+
+    def wrong_last_shape(u: WeightUpdate) -> WeightUpdate:  # plans go in name order: this one is last
+        last = max(t.name for t in u.manifest)
+        return u.model_copy(update={"manifest": [t.model_copy(update={"shape": [1]}) if t.name == last else t
+                                                 for t in u.manifest]})
+
+    try:
+        with pytest.raises(RuntimeError, match=r"broadcast of v1 failed.*bucket \d+.*wrong shapes"):
+            session(eng, receiver, 1, model_dir, edit=wrong_last_shape)
+        assert eng.policy_version == 1 and eng.http.get("/model_info").json()["weight_version"] == "1"
+        assert eng.http.get("/health_generate").status_code == 200
+        want = snapshot_weights(load_model(model_dir))
+        have = backend.model.state_dict()
+        assert all(torch.equal(have[k], v) for k, v in want.items())
     finally:
         receiver.close()
         eng.close()
