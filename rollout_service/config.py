@@ -14,6 +14,10 @@ class RolloutConfig(BaseModel):
     """Generation backend: ``torch`` (in-process transformers, CPU default) or ``sglang`` (HTTP server)."""
     sglang_url: str = "http://127.0.0.1:30000"
     """Base URL of the SGLang server when ``engine == "sglang"``."""
+    sglang_pause_mode: Literal["retract", "in_place", "abort"] = "retract"
+    """How an SGLang server holds the requests in flight during a weight update: ``retract`` (re-prefill
+    under the new weights), ``in_place`` (keep their stale KV cache) or ``abort`` (end them; the engine
+    resubmits prompt + partial output). See rollout_service/sglang_engine.py."""
     max_batch_requests: int = Field(32, ge=1, le=4096)
     """Most rollout requests taken from Kafka and generated together in one batch."""
     max_batch_samples: int = Field(32, ge=1, le=65536)

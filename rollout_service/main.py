@@ -47,7 +47,7 @@ def build_engine(config: FlywheelConfig):
     if cfg.engine == "sglang":
         from rollout_service.sglang_engine import SGLangEngine
 
-        engine = SGLangEngine(cfg.sglang_url)
+        engine = SGLangEngine(cfg.sglang_url, pause_mode=cfg.sglang_pause_mode)
         info = engine.wait_ready()
         log.info("SGLang at %s ready: %s", cfg.sglang_url, info)
         return engine, tok

@@ -6,12 +6,17 @@
   and the version of every output span from ``meta_info.weight_versions`` (≥ 0.5.19) or
   ``meta_info.weight_version``. The K samples of a prompt are sent as K copies of it in one batch:
   SGLang's radix cache prefills the shared prompt once.
-* Weights from disk: ``/pause_generation {mode: retract}`` → ``/update_weights_from_disk {model_path,
-  weight_version, flush_cache: false}`` → ``/continue_generation``. With ``retract`` the requests in
-  flight go back to the queue and re-prefill under the new weights, so an update mid-generation is
-  the interruptible policy: each span is tagged with its version.
+* Weights from disk: ``/pause_generation {mode}`` → ``/update_weights_from_disk {model_path,
+  weight_version, flush_cache: false}`` → ``/flush_cache`` → ``/continue_generation``. An update
+  mid-generation is the interruptible policy, in one of SGLang's three pause modes
+  (``rollout.sglang_pause_mode``): ``retract`` (default) sends the requests in flight back to the
+  queue, to re-prefill under the new weights and continue inside the same HTTP call; ``in_place``
+  freezes them with their KV cache, which is stale after the update (no flush then: SGLang ≤ 0.5.21
+  crashes flushing with requests held); ``abort`` ends them with their partial output, and this engine
+  resubmits prompt + partial output for the remaining tokens (AReaL's and slime's partial rollouts).
+  Either way each span of output is tagged with its version.
 * Weights by broadcast (trainer ``weight_transport: distributed``; ``shared/weight_sync.py``): the
-  server itself joins each version's session. ``/pause_generation {retract}`` →
+  server itself joins each version's session. ``/pause_generation {mode}`` →
   ``/begin_weight_update`` (0.5.21+; skipped when the server answers 404, as ≤ 0.5.19 do) →
   ``/init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name,
   backend}`` (the trainer's store; SGLang forms the group as the trainer does) → one
@@ -45,6 +50,15 @@ from shared.schemas import VersionSpan, WeightUpdate
 log = logging.getLogger("rollout.sglang")
 
 
+def _join(first: Sample, rest: Sample) -> Sample:
+    """``first`` (ended by an abort) continued by ``rest``: ids, log-probs and spans (shifted) joined."""
+    k = len(first.completion_ids)
+    spans = list(first.versions) + [VersionSpan(version=v.version, start=v.start + k, end=v.end + k)
+                                    for v in rest.versions]
+    return Sample(first.completion_ids + rest.completion_ids, first.logprobs + rest.logprobs, rest.finish_reason,
+                  [v for v in spans if v.end > v.start] or spans[-1:], rest.error)
+
+
 def _version(v) -> int:
     """SGLang weight versions are strings; Flywheel's are integers (``"v3"`` and ``"3"`` are 3)."""
     try:
@@ -63,7 +77,14 @@ class SGLangEngine(Engine):
 
     receives_in_server = True
 
-    def __init__(self, url: str, timeout_s: float = 600.0, max_context: int | None = None) -> None:
+    MAX_RESUBMITS = 8
+    """Most times an aborted sample is resubmitted (``pause_mode: abort``) before it is returned as aborted."""
+
+    def __init__(self, url: str, timeout_s: float = 600.0, max_context: int | None = None,
+                 pause_mode: str = "retract") -> None:
+        if pause_mode not in ("retract", "in_place", "abort"):
+            raise ValueError(f"pause_mode must be retract, in_place or abort, not {pause_mode!r}")
+        self.pause_mode = pause_mode
         self.url = url.rstrip("/")
         self.http = httpx.Client(base_url=self.url, timeout=timeout_s)
         self.policy_version = 0
@@ -109,6 +130,8 @@ class SGLangEngine(Engine):
     # ------------------------------------------------------------------ generation
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
+        """One ``/generate`` call for every sample (K copies of each prompt); samples a pause aborted are
+        resubmitted as prompt + partial output for their remaining tokens, their spans joined."""
         input_ids, params = [], []
         for r in requests:
             s = r.sampling
@@ -120,17 +143,31 @@ class SGLangEngine(Engine):
                 params.append(p)
         if not input_ids:
             return []
-        resp = self.http.post("/generate", json={"input_ids": input_ids, "sampling_params": params,
-                                                 "return_logprob": True, "logprob_start_len": -1})
-        resp.raise_for_status()
-        outs = resp.json()
-        outs = outs if isinstance(outs, list) else [outs]
-        samples = [self._sample(o) for o in outs]
+        samples = self._generate_flat(input_ids, params)
+        for _ in range(self.MAX_RESUBMITS):
+            todo = [i for i, s in enumerate(samples)
+                    if s.finish_reason == "abort" and len(s.completion_ids) < params[i]["max_new_tokens"]]
+            if not todo:
+                break
+            more = self._generate_flat(
+                [input_ids[i] + samples[i].completion_ids for i in todo],
+                [dict(params[i], max_new_tokens=params[i]["max_new_tokens"] - len(samples[i].completion_ids))
+                 for i in todo])
+            for i, m in zip(todo, more):
+                samples[i] = _join(samples[i], m)
         grouped, k = [], 0
         for r in requests:
             grouped.append(samples[k:k + r.n])
             k += r.n
         return grouped
+
+    def _generate_flat(self, input_ids: list[list[int]], params: list[dict]) -> list[Sample]:
+        resp = self.http.post("/generate", json={"input_ids": input_ids, "sampling_params": params,
+                                                 "return_logprob": True, "logprob_start_len": -1})
+        resp.raise_for_status()
+        outs = resp.json()
+        outs = outs if isinstance(outs, list) else [outs]
+        return [self._sample(o) for o in outs]
 
     def _sample(self, out: dict) -> Sample:
         meta = out.get("meta_info", {})
@@ -162,7 +199,7 @@ class SGLangEngine(Engine):
         with self._weights_lock:
             if self.policy_version >= update.version:
                 return
-            self._post("/pause_generation", {"mode": "retract"})
+            self._pause()
             try:
                 self._load_from_disk(update)
             finally:
@@ -201,7 +238,7 @@ class SGLangEngine(Engine):
         with self._weights_lock:
             if self.policy_version >= update.version:
                 return False
-            self._post("/pause_generation", {"mode": "retract"})
+            self._pause()
             began = joined = False
             error: Exception | None = None
             try:
@@ -240,9 +277,15 @@ class SGLangEngine(Engine):
                 raise RuntimeError(f"broadcast of v{update.version} failed: {error}") from error
             return True
 
+    def _pause(self) -> None:
+        self._post("/pause_generation", {"mode": self.pause_mode})
+
     def _flush(self) -> None:
         """Drop the prefix cache (KV computed under the old weights) while paused; servers that refuse
-        (older ones, with requests waiting) are left as they are."""
+        (older ones, with requests waiting) are left as they are. Skipped with ``in_place``, whose held
+        requests keep their cache."""
+        if self.pause_mode == "in_place":
+            return
         try:
             r = self.http.post("/flush_cache", json={}, timeout=30)
             if r.status_code != 200:

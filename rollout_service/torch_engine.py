@@ -56,7 +56,9 @@ class TorchEngine(Engine):
         """Weight versions loaded in the middle of a generation batch (counter)."""
         self._lock = threading.Lock()
         self._pending: Loader | None = None
+        self._recompute = True
         self._pending_lock = threading.Lock()
+        self._abort = threading.Event()
 
     @staticmethod
     def _eos_ids(model, tokenizer) -> set[int]:
@@ -81,11 +83,21 @@ class TorchEngine(Engine):
             load_weights_state(self.model, state, f"broadcast v{version}")
             self.policy_version = version
 
-    def request_interrupt(self, loader: Loader) -> None:
+    def request_interrupt(self, loader: Loader, recompute: bool = True) -> None:
         """Have the running (or next) generation call ``loader`` between two decode steps, then continue
-        every unfinished sequence with the new weights. A later request replaces an unserved one."""
+        every unfinished sequence with the new weights. A later request replaces an unserved one.
+
+        ``recompute=False`` keeps the key/value cache computed under the old weights (SGLang's
+        ``in_place`` pause: cheaper, and the continuation attends to stale keys and values)."""
         with self._pending_lock:
             self._pending = loader
+            self._recompute = recompute
+
+    def request_abort(self) -> None:
+        """End the running generation at its next decode step: every unfinished sample comes back with
+        what it has and ``finish_reason == "abort"`` (SGLang's ``abort`` pause). No-op when idle."""
+        if self._lock.locked():
+            self._abort.set()
 
     def interrupt_with(self, update: WeightUpdate) -> bool:
         def loader() -> int:
@@ -95,10 +107,11 @@ class TorchEngine(Engine):
         self.request_interrupt(loader)
         return True
 
-    def _take_pending(self) -> Loader | None:
+    def _take_pending(self) -> tuple[Loader | None, bool]:
+        """The requested loader (or None) and whether to recompute the cache after it."""
         with self._pending_lock:
             loader, self._pending = self._pending, None
-            return loader
+            return loader, self._recompute
 
     @property
     def has_pending(self) -> bool:
@@ -107,7 +120,7 @@ class TorchEngine(Engine):
 
     def serve_pending(self) -> bool:
         """Run a requested loader now, outside generation (between batches); True if there was one."""
-        loader = self._take_pending()
+        loader, _ = self._take_pending()
         if loader is None:
             return False
         with self._lock:
@@ -123,10 +136,13 @@ class TorchEngine(Engine):
             s = r.sampling
             by_params[(s.temperature, s.top_p, s.max_new_tokens)].append(i)
         with self._lock, torch.no_grad():
-            for (temp, top_p, max_new), idx in by_params.items():
-                results = self._generate_batch([requests[i] for i in idx], temp, top_p, max_new)
-                for i, res in zip(idx, results):
-                    out[i] = res
+            try:
+                for (temp, top_p, max_new), idx in by_params.items():
+                    results = self._generate_batch([requests[i] for i in idx], temp, top_p, max_new)
+                    for i, res in zip(idx, results):
+                        out[i] = res
+            finally:
+                self._abort.clear()
         return out  # type: ignore[return-value]
 
     def _prefill(self, seqs: list[list[int]]):
@@ -172,6 +188,10 @@ class TorchEngine(Engine):
         active = list(range(n_rows))  # original row of each live batch row
         eos = torch.tensor(sorted(self.eos_ids)) if self.eos_ids else None
         for _step in range(max_new_tokens):
+            if self._abort.is_set():
+                for row in active:
+                    finish[row] = "abort"
+                break
             if greedy:
                 logp = torch.log_softmax(logits, -1)
                 tok = logp.argmax(-1)
@@ -195,7 +215,7 @@ class TorchEngine(Engine):
                 cache.batch_select_indices(keep)
                 attn, next_pos, tok = attn[keep], next_pos[keep], tok[keep]
                 active = [active[int(k)] for k in keep]
-            loader = self._take_pending()
+            loader, recompute = self._take_pending()
             if loader is not None:  # interrupt: new weights, recompute the cache of the live sequences
                 version = loader()
                 self.policy_version = version
@@ -203,8 +223,9 @@ class TorchEngine(Engine):
                 for row in active:
                     spans[row][-1] = spans[row][-1].model_copy(update={"end": len(tokens[row])})
                     spans[row].append(VersionSpan(version=version, start=len(tokens[row]), end=len(tokens[row])))
-                cache, logits, attn, next_pos = self._prefill([prompts[rows[row]] + tokens[row] for row in active])
-                continue
+                if recompute:
+                    cache, logits, attn, next_pos = self._prefill([prompts[rows[row]] + tokens[row] for row in active])
+                    continue
             attn = torch.cat([attn, torch.ones(len(active), 1, dtype=attn.dtype)], dim=1)
             out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
                              cache=cache, use_cache=True)

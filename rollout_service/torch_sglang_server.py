@@ -5,8 +5,10 @@
 SGLang's API that the engine uses, with SGLang's request and response shapes
 (../shared/notes/sglang-api.md): ``/generate`` (``input_ids``, ``sampling_params``, ``return_logprob``;
 ``meta_info.output_token_logprobs``, ``finish_reason``, ``weight_version``, ``weight_versions``),
-``/update_weights_from_disk``, ``/pause_generation`` (``retract``: running requests continue under
-the new weights), ``/continue_generation``, ``/health``, ``/health_generate`` (503 while paused),
+``/update_weights_from_disk``, ``/pause_generation`` (``abort``, SGLang's default: running requests
+end at once with ``finish_reason.type == "abort"`` and their partial output; ``retract``: they continue
+under the new weights, their cache recomputed; ``in_place``: they continue under the new weights on
+the old cache), ``/continue_generation``, ``/health``, ``/health_generate`` (503 while paused),
 ``/model_info``, ``/server_info``, ``/update_weight_version``, ``/flush_cache``, and the broadcast path:
 ``/init_weights_update_group`` (joins the trainer's store as SGLang's ``init_custom_process_group``
 does; gloo here, NCCL in SGLang), ``/update_weights_from_distributed`` (per-tensor or
@@ -61,7 +63,7 @@ def build_app(engine: TorchEngine, model_path: str = "", require_begin: bool = T
     ``require_begin=False`` answers like SGLang ≤ 0.5.19 (no begin/end endpoints); ``group_timeout_s``
     bounds forming a broadcast group and each of its collectives (seconds)."""
     app = FastAPI(title="torch-backed SGLang stand-in (not SGLang)")
-    state: dict[str, Any] = {"paused": False, "version": "0", "in_flight": 0, "updating": False}
+    state: dict[str, Any] = {"paused": False, "version": "0", "in_flight": 0, "updating": False, "mode": "abort"}
     groups: dict[str, Any] = {}
     staged: dict[str, torch.Tensor] = {}
     cond = threading.Condition()
@@ -95,6 +97,8 @@ def build_app(engine: TorchEngine, model_path: str = "", require_begin: bool = T
         for (p, _, _), samples in zip(reqs, groups):
             for s in samples:
                 reason = ({"type": "stop", "matched": s.completion_ids[-1]} if s.finish_reason == "stop"
+                          else {"type": "abort", "message": "Abort by pause_generation.", "status_code": 200,
+                                "err_type": None} if s.finish_reason == "abort"
                           else {"type": "length", "length": len(s.completion_ids)})
                 out.append({"text": engine.tokenizer.decode(s.completion_ids), "output_ids": s.completion_ids,
                             "meta_info": {
@@ -116,8 +120,13 @@ def build_app(engine: TorchEngine, model_path: str = "", require_begin: bool = T
 
     @app.post("/pause_generation")
     async def pause(req: Request):
+        mode = (await req.json() if await req.body() else {}).get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            return refuse(f"unknown pause mode {mode!r}")
         with cond:
-            state["paused"] = True
+            state["paused"], state["mode"] = True, mode
+        if mode == "abort":
+            engine.request_abort()
         return {"success": True}
 
     @app.post("/continue_generation")
@@ -139,7 +148,7 @@ def build_app(engine: TorchEngine, model_path: str = "", require_begin: bool = T
     def apply(loader) -> None:
         """Run ``loader`` between two decode steps of the generation in flight (retract: it continues under
         the new weights), or now when none is."""
-        engine.request_interrupt(loader)
+        engine.request_interrupt(loader, recompute=state["mode"] != "in_place")
         with cond:
             idle = state["in_flight"] == 0
         if not idle:

@@ -95,11 +95,16 @@ def test_update_from_disk_pauses_loads_the_version_and_continues(server):
     eng.close()
 
 
-def test_an_update_during_generation_continues_it_under_the_new_version(server):
+@pytest.mark.parametrize("mode", ["retract", "in_place", "abort"])
+def test_an_update_during_generation_continues_it_under_the_new_version(server, mode):
+    """Each pause mode: the samples in flight end with 400 tokens in two spans (with ``abort`` the server
+    returns them partial and the engine resubmits prompt + partial output)."""
     url, backend, d, tmp = server
     backend.model.generation_config.eos_token_id = None
     backend.eos_ids = set()
-    eng = SGLangEngine(url)
+    eng = SGLangEngine(url, pause_mode=mode)
+    calls = []
+    eng.http.event_hooks["request"].append(lambda r: calls.append(r.url.path))
     other = build_tiny_model(tmp / "other", seed=9)
     p = encode_chat(backend.tokenizer, [{"role": "user", "content": "long"}])
     result = {}
@@ -113,6 +118,8 @@ def test_an_update_during_generation_continues_it_under_the_new_version(server):
         assert len(s.completion_ids) == 400
         vs = [(v.version, v.start, v.end) for v in s.versions]
         assert [v for v, _, _ in vs] == [0, 1] and vs[0][1] == 0 and vs[0][2] == vs[1][1] and vs[1][2] == 400, vs
+    assert calls.count("/generate") == (2 if mode == "abort" else 1), calls
+    assert ("/flush_cache" in calls) == (mode != "in_place")
     eng.close()
 
 
