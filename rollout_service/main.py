@@ -104,8 +104,8 @@ class BroadcastFollower:
     """Transport ``distributed``: registers with the trainer's store and joins each version's broadcast
     session as soon as the version is announced (while the engine keeps generating). A torch engine's
     weights are staged for :func:`apply_newest` to load between batches (or between decode steps); an
-    SGLang server receives them into its own weights at once (pause with retract, so requests in flight
-    continue under the new version, their spans tagged). A failed session leaves the version to the
+    SGLang server receives them into its own weights at once (paused in ``rollout.sglang_pause_mode``, so
+    requests in flight continue under the new version, their spans tagged). A failed session leaves the version to the
     checkpoint file."""
 
     def __init__(self, config: FlywheelConfig, engine: Engine, watcher: WeightWatcher) -> None:
@@ -273,7 +273,8 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
     bcast = asyncio.create_task(bfollow.run(stop)) if bfollow is not None else None
     if engine.receives_in_server and bfollow is not None and cfg.weight_update_policy == "finish":
         log.warning("rollout.weight_update_policy=finish: an SGLang server takes a broadcast version as it "
-                    "arrives (pause with retract: requests in flight continue under it, their spans tagged)")
+                    "arrives (paused in rollout.sglang_pause_mode: requests in flight continue under it, their "
+                    "spans tagged)")
     interrupter = (asyncio.create_task(_interrupt_on_new_weights(engine, watcher, stop, bfollow))
                    if cfg.weight_update_policy == "interrupt" else None)
     stats = {"rollout/samples": 0.0, "rollout/tokens": 0.0, "rollout/generate_s": 0.0, "rollout/tool_rounds": 0.0,
