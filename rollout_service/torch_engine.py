@@ -94,10 +94,10 @@ class TorchEngine(Engine):
             self._recompute = recompute
 
     def request_abort(self) -> None:
-        """End the running generation at its next decode step: every unfinished sample comes back with
-        what it has and ``finish_reason == "abort"`` (SGLang's ``abort`` pause). No-op when idle."""
-        if self._lock.locked():
-            self._abort.set()
+        """End the running (or the next) generation at its next decode step: every unfinished sample comes
+        back with what it has and ``finish_reason == "abort"`` (SGLang's ``abort`` pause). Call it only
+        while a generation is in flight or about to start; the flag clears when that generation returns."""
+        self._abort.set()
 
     def interrupt_with(self, update: WeightUpdate) -> bool:
         def loader() -> int:

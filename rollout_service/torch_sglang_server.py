@@ -125,8 +125,8 @@ def build_app(engine: TorchEngine, model_path: str = "", require_begin: bool = T
             return refuse(f"unknown pause mode {mode!r}")
         with cond:
             state["paused"], state["mode"] = True, mode
-        if mode == "abort":
-            engine.request_abort()
+            if mode == "abort" and state["in_flight"]:
+                engine.request_abort()
         return {"success": True}
 
     @app.post("/continue_generation")
@@ -149,13 +149,13 @@ def build_app(engine: TorchEngine, model_path: str = "", require_begin: bool = T
         """Run ``loader`` between two decode steps of the generation in flight (retract: it continues under
         the new weights), or now when none is."""
         engine.request_interrupt(loader, recompute=state["mode"] != "in_place")
-        with cond:
-            idle = state["in_flight"] == 0
-        if not idle:
-            deadline = time.monotonic() + 600
-            while engine.has_pending and time.monotonic() < deadline:
-                time.sleep(0.005)
-        engine.serve_pending()  # idle, or the generation finished before a step boundary
+        deadline = time.monotonic() + 600
+        while engine.has_pending and time.monotonic() < deadline:
+            with cond:
+                if state["in_flight"] == 0:
+                    break  # idle, or the generation ended (finished, aborted) without a step boundary left
+            time.sleep(0.005)
+        engine.serve_pending()  # no-op when the generation took it
 
     def apply_staged(version: str) -> None:
         weights = dict(staged)
