@@ -103,3 +103,38 @@ def test_interrupted_generation_tags_each_token_with_its_version_and_trains_unde
     assert len(groups) == 1 and groups[0].behaviour_version == 0
     metrics = trainer.train_step(groups)
     assert trainer.version == 2 and torch.isfinite(torch.tensor(metrics["loss/pg"]))
+
+
+def test_an_in_place_interrupt_keeps_the_stale_cache_and_an_abort_returns_partial_samples(tiny_dir, tmp_path):
+    """``recompute=False`` (SGLang's in_place pause): tokens after the update are sampled from the new
+    weights over the cache of the old ones, so their log-probs differ from a fresh forward under the new
+    weights (which ``recompute=True`` matches, test above). ``request_abort`` ends the generation in flight
+    with finish_reason "abort" and only the next generation runs normally."""
+    from safetensors.torch import load_file
+
+    eng = _engine(tiny_dir)
+    new = load_file(str(next(build_tiny_model(tmp_path / "other", seed=7).glob("*.safetensors"))))
+    p = encode_chat(eng.tokenizer, [{"role": "user", "content": "go"}])
+    eng.model.generation_config.eos_token_id = None
+    eng.eos_ids = set()
+
+    def loader():
+        eng.model.load_state_dict(new, strict=False)
+        return 1
+
+    eng.request_interrupt(loader, recompute=False)
+    (samples,) = eng.generate([GenerationRequest(p, 2, SamplingParams(max_new_tokens=12, temperature=1.0, seed=5))])
+    fresh = load_model(tiny_dir)
+    fresh.load_state_dict(new, strict=False)
+    for s in samples:
+        assert [(v.version, v.start, v.end) for v in s.versions] == [(0, 0, 1), (1, 1, 12)]
+        with torch.no_grad():
+            logits = fresh(torch.tensor([p + s.completion_ids])).logits[0, len(p) - 1:-1]
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]
+        assert not torch.allclose(torch.tensor(s.logprobs[1:]), ref[1:], atol=1e-3)  # stale keys and values
+
+    eng.request_abort()  # as the stand-in does while a generation is in flight
+    (aborted,) = eng.generate([GenerationRequest(p, 2, SamplingParams(max_new_tokens=12, temperature=1.0, seed=5))])
+    assert all(s.finish_reason == "abort" and s.completion_ids == [] for s in aborted)
+    (normal,) = eng.generate([GenerationRequest(p, 2, SamplingParams(max_new_tokens=12, temperature=1.0, seed=5))])
+    assert all(s.finish_reason == "length" and len(s.completion_ids) == 12 for s in normal)
