@@ -105,8 +105,8 @@ class BroadcastFollower:
     session as soon as the version is announced (while the engine keeps generating). A torch engine's
     weights are staged for :func:`apply_newest` to load between batches (or between decode steps); an
     SGLang server receives them into its own weights at once (paused in ``rollout.sglang_pause_mode``, so
-    requests in flight continue under the new version, their spans tagged). A failed session leaves the version to the
-    checkpoint file."""
+    requests in flight continue under the new version, their spans tagged). A failed session leaves the
+    version to the checkpoint file."""
 
     def __init__(self, config: FlywheelConfig, engine: Engine, watcher: WeightWatcher) -> None:
         self.tc = config.trainer
@@ -184,9 +184,9 @@ class BroadcastFollower:
             receiver.close()
 
     async def take(self, update: WeightUpdate) -> dict | None:
-        """The broadcast weights of ``update`` once its session is over (waiting for it, at most the
-        broadcast timeout): a state dict (torch), ``{}`` when the server already holds them (SGLang), or
-        None when this engine is not in the session or it failed (load the checkpoint)."""
+        """The staged broadcast weights of ``update`` once its session is over (waiting for it, at most the
+        broadcast timeout); None when there are none: this engine is not in the session, the session
+        failed, or the server received them in place (its ``policy_version`` then says so)."""
         v = update.version
         deadline = time.monotonic() + self.tc.broadcast_timeout_s + 5
         while self.member(update) and (v not in self._seen or self.receiving == v) and time.monotonic() < deadline:
@@ -195,8 +195,6 @@ class BroadcastFollower:
                 await asyncio.wait_for(self.received.wait(), 0.1)
             except asyncio.TimeoutError:
                 pass
-        if self.engine.policy_version >= v:
-            return {}
         if self.staged is not None and self.staged[0] == v:
             state, self.staged = self.staged[1], None
             return state
@@ -210,9 +208,9 @@ async def apply_newest(engine: Engine, watcher: WeightWatcher, follower: Broadca
         t0 = time.perf_counter()
         try:
             state = await follower.take(upd) if follower is not None else None
-            if state == {} and engine.policy_version >= upd.version:
+            if engine.policy_version >= upd.version:
                 return  # the server received it in place
-            if state:
+            if state is not None:
                 await asyncio.to_thread(engine.load_weights_state, state, upd.version)
                 how = "broadcast"
             else:
@@ -456,17 +454,20 @@ async def _tool_groups(config, engine: Engine, tok, items: list, producer, stats
                                            cfg.max_trajectory_tokens)
             timings = {"queue": max(0.0, picked - r.issued_at), "generate": time.perf_counter() - t0}
             futures = []
-            for i, ro in enumerate(rollouts):
-                tr = make_trajectory(
-                    r, i, prompt, ro.ids, ro.logprobs, ro.mask, ro.finish_reason,
-                    ro.versions or [VersionSpan(version=engine.policy_version, start=0, end=0)], tok, timings,
-                    turns=ro.turns, cost={"generated_tokens": float(ro.generated_tokens),
-                                          "tool_rounds": float(ro.tool_rounds), "tool_seconds": ro.tool_seconds})
-                futures.append(await kafka.send(producer, topics.TRAJECTORIES, tr, r.group_id))
-                stats["rollout/tokens"] += ro.generated_tokens
-                stats["rollout/samples"] += 1
-                stats["rollout/tool_rounds"] += ro.tool_rounds
-                stats["rollout/tool_seconds"] += ro.tool_seconds
+            with trace.get_tracer("rollout").start_as_current_span(
+                    "rollout", context=extract_context(h),
+                    attributes={"group_id": r.group_id, "n": r.n, "policy_version": engine.policy_version}):
+                for i, ro in enumerate(rollouts):
+                    tr = make_trajectory(
+                        r, i, prompt, ro.ids, ro.logprobs, ro.mask, ro.finish_reason,
+                        ro.versions or [VersionSpan(version=engine.policy_version, start=0, end=0)], tok, timings,
+                        turns=ro.turns, cost={"generated_tokens": float(ro.generated_tokens),
+                                              "tool_rounds": float(ro.tool_rounds), "tool_seconds": ro.tool_seconds})
+                    futures.append(await kafka.send(producer, topics.TRAJECTORIES, tr, r.group_id))
+                    stats["rollout/tokens"] += ro.generated_tokens
+                    stats["rollout/samples"] += 1
+                    stats["rollout/tool_rounds"] += ro.tool_rounds
+                    stats["rollout/tool_seconds"] += ro.tool_seconds
             await asyncio.gather(*futures)
             stats["rollout/generate_s"] += time.perf_counter() - t0
             log.info("group %s: %d samples, %d tool rounds, %d tokens generated", r.group_id, r.n,

@@ -53,13 +53,12 @@ log = logging.getLogger("rollout.sglang")
 def _join(first: Sample, rest: Sample) -> Sample:
     """``first`` (ended by an abort) continued by ``rest``: ids, log-probs and spans (shifted) joined."""
     k = len(first.completion_ids)
-    spans = list(first.versions) + [VersionSpan(version=v.version, start=v.start + k, end=v.end + k)
-                                    for v in rest.versions]
+    spans = list(first.versions) + [v.shifted(k) for v in rest.versions]
     return Sample(first.completion_ids + rest.completion_ids, first.logprobs + rest.logprobs, rest.finish_reason,
                   [v for v in spans if v.end > v.start] or spans[-1:], rest.error)
 
 
-def _version(v) -> int:
+def parse_weight_version(v) -> int:
     """SGLang weight versions are strings; Flywheel's are integers (``"v3"`` and ``"3"`` are 3)."""
     try:
         return int(str(v).lstrip("v"))
@@ -113,7 +112,7 @@ class SGLangEngine(Engine):
                 raise TimeoutError(f"SGLang at {self.url} not ready after {timeout_s} s")
             time.sleep(1.0)
         info = self.http.get("/model_info").json()
-        self.policy_version = _version(info.get("weight_version", 0))
+        self.policy_version = parse_weight_version(info.get("weight_version", 0))
         try:
             server = self.http.get("/server_info")
             if server.status_code == 200:
@@ -179,10 +178,10 @@ class SGLangEngine(Engine):
         fr = meta.get("finish_reason") or {}
         kind = fr.get("type") if isinstance(fr, dict) else str(fr)
         reason = {"stop": "stop", "length": "length", "abort": "abort"}.get(kind, "error")
-        spans = [VersionSpan(version=_version(v["version"]), start=int(v["start"]), end=int(v["end"]))
+        spans = [VersionSpan(version=parse_weight_version(v["version"]), start=int(v["start"]), end=int(v["end"]))
                  for v in meta.get("weight_versions") or []]
         if not spans:
-            spans = [VersionSpan(version=_version(meta.get("weight_version", self.policy_version)), start=0,
+            spans = [VersionSpan(version=parse_weight_version(meta.get("weight_version", self.policy_version)), start=0,
                                  end=len(ids))]
         err = fr.get("message") if isinstance(fr, dict) and reason == "abort" else None
         return Sample(ids, logprobs, reason, spans, err)
@@ -190,8 +189,8 @@ class SGLangEngine(Engine):
     # ------------------------------------------------------------------ weights
 
     def update_weights(self, update: WeightUpdate) -> None:
-        """Pause (retract), load ``update.path`` from disk with its version, flush the prefix cache,
-        continue (a version the server already holds is skipped).
+        """Pause (in ``pause_mode``), load ``update.path`` from disk with its version, flush the prefix
+        cache, continue (a version the server already holds is skipped).
 
         Raises:
             RuntimeError: the server could not load it (SGLang rolls a failed disk load back).
@@ -267,7 +266,8 @@ class SGLangEngine(Engine):
                 elif joined and update.path:  # some buckets may be in: the checkpoint, before anything runs
                     try:
                         self._load_from_disk(update)
-                        log.warning("broadcast of v%d failed (%s); the server loaded it from disk", update.version, error)
+                        log.warning("broadcast of v%d failed (%s); the server loaded it from disk", update.version,
+                                    error)
                     except (RuntimeError, httpx.HTTPError) as e:
                         log.error("broadcast of v%d failed (%s) and the disk load too (%s): the server's weights "
                                   "may be partly updated", update.version, error, e)

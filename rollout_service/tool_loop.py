@@ -131,8 +131,7 @@ class Rollout:
         self.ids += sample.completion_ids
         self.logprobs += sample.logprobs
         self.mask += [1] * len(sample.completion_ids)
-        self.versions += [VersionSpan(version=v.version, start=v.start + start, end=v.end + start)
-                          for v in sample.versions]
+        self.versions += [v.shifted(start) for v in sample.versions]
         self.finish_reason = sample.finish_reason
         self.generated_tokens += len(sample.completion_ids)
         self.turns.append({"role": "assistant", "start": start, "end": len(self.ids),

@@ -38,6 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from rollout_service.engine import GenerationRequest
+from rollout_service.sglang_engine import parse_weight_version
 from rollout_service.torch_engine import TorchEngine
 from shared.model import load_model, load_tokenizer
 from shared.schemas import SamplingParams
@@ -88,13 +89,13 @@ def build_app(engine: TorchEngine, model_path: str = "", require_begin: bool = T
                 cond.wait()
             state["in_flight"] += 1
         try:
-            groups = engine.generate(gen)
+            results = engine.generate(gen)
         finally:
             with cond:
                 state["in_flight"] -= 1
                 cond.notify_all()
         out = []
-        for (p, _, _), samples in zip(reqs, groups):
+        for (p, _, _), samples in zip(reqs, results):
             for s in samples:
                 reason = ({"type": "stop", "matched": s.completion_ids[-1]} if s.finish_reason == "stop"
                           else {"type": "abort", "message": "Abort by pause_generation.", "status_code": 200,
@@ -158,16 +159,12 @@ def build_app(engine: TorchEngine, model_path: str = "", require_begin: bool = T
         engine.serve_pending()  # no-op when the generation took it
 
     def apply_staged(version: str) -> None:
-        weights = dict(staged)
+        weights = dict(staged)  # names and shapes were checked when their bucket was requested
         staged.clear()
-        known = engine.model.state_dict()
-        unknown = [k for k in weights if k not in known]
-        if unknown:
-            raise ValueError(f"unknown parameter names: {unknown[:3]}")
 
         def loader() -> int:
             engine.model.load_state_dict(weights, strict=False)
-            return int(version.lstrip("v") or 0)
+            return parse_weight_version(version)
 
         apply(loader)
         state["version"] = version
@@ -179,7 +176,7 @@ def build_app(engine: TorchEngine, model_path: str = "", require_begin: bool = T
 
         def loader() -> int:
             _load_dir(engine.model, body["model_path"])
-            return int(version.lstrip("v") or 0)
+            return parse_weight_version(version)
 
         staged.clear()  # buckets of a failed session: the disk load supersedes them, as it does in SGLang
 
@@ -232,7 +229,7 @@ def build_app(engine: TorchEngine, model_path: str = "", require_begin: bool = T
 
         def receive() -> None:
             if b.get("load_format") == "flattened_bucket":
-                sizes = [torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, d, s in specs]
+                sizes = [s.numel() * d.itemsize for _, d, s in specs]
                 buf = torch.empty(sum(sizes), dtype=torch.uint8)
                 dist.broadcast(buf, src=0, group=pg)
                 off = 0

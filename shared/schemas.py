@@ -198,6 +198,10 @@ class VersionSpan(BaseModel):
     start: int = Field(ge=0)
     end: int = Field(ge=0)
 
+    def shifted(self, k: int) -> "VersionSpan":
+        """The same span ``k`` tokens later (a segment appended after ``k`` earlier tokens)."""
+        return VersionSpan(version=self.version, start=self.start + k, end=self.end + k)
+
 
 class Trajectory(Record):
     """flywheel.trajectories, key group_id. Producer: rollout. Consumer: verifier.
