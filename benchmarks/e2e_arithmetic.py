@@ -74,13 +74,62 @@ def _generate(cfg, tok, engine, tasks, rng):
     return batch, prompts, engine.generate([GenerationRequest(p, t.samples_per_task, sp) for p, t in zip(prompts, batch)])
 
 
+def plain_update(cfg, tok, model, opt, loss_cfg, prompts: list[list[int]], samples: list[list],
+                 rewards: list[list[float]]) -> float:
+    """One GRPO update of the plain loop on groups of any sizes; returns the gradient norm.
+
+    ``prompts[g]`` are the token ids of group g's prompt, ``samples[g]`` its generated samples
+    (``completion_ids``, ``logprobs``) and ``rewards[g]`` their rewards. Advantages are normalised
+    per group (``group_advantages``); the loss is Flywheel's ``grpo_loss`` over one forward of every
+    prompt + completion.
+    """
+    import torch
+
+    from trainer_service.losses.advantages import group_advantages
+    from trainer_service.losses.grpo import grpo_loss
+
+    prompts_rows, comps, blps = [], [], []
+    for p, ss in zip(prompts, samples):
+        for s in ss:
+            prompts_rows.append(p)
+            comps.append(s.completion_ids)
+            blps.append(s.logprobs)
+    adv = torch.cat([group_advantages(torch.tensor([r], dtype=torch.float64), "grpo", cfg.trainer.adv_eps).flatten()
+                     for r in rewards]).float()
+    # left-padded prompts then right-padded completions (as TRL lays them out): every completion
+    # starts at column P, and only the last T + 1 positions go through the output layer
+    B, P, T = len(comps), max(map(len, prompts_rows)), max(1, max(map(len, comps)))
+    ids = torch.full((B, P + T), tok.pad_token_id)
+    attn = torch.zeros_like(ids)
+    blp = torch.zeros(B, T)
+    mask = torch.zeros(B, T)
+    for i, (pr, c) in enumerate(zip(prompts_rows, comps)):
+        ids[i, P - len(pr):P] = torch.tensor(pr)
+        attn[i, P - len(pr):P] = 1
+        if c:
+            ids[i, P:P + len(c)] = torch.tensor(c)
+            attn[i, P:P + len(c)] = 1
+            blp[i, :len(c)] = torch.tensor(blps[i])
+            mask[i, :len(c)] = 1
+    model.train()
+    opt.zero_grad()
+    pos = (attn.cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1).logits[:, :-1]
+    lp = torch.log_softmax(logits.float() / cfg.scheduler.temperature, -1).gather(-1, ids[:, P:, None])[..., 0]
+    norm = mask.sum().clamp(min=1) if loss_cfg.loss_agg == "token_mean" else float(B)
+    loss, _ = grpo_loss(lp, blp, adv, mask, float(norm), loss_cfg)
+    loss.backward()
+    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.max_grad_norm)
+    opt.step()
+    model.eval()
+    return float(gn)
+
+
 def plain_loop(config_path: Path, steps: int) -> list[float]:
     """Seconds per step of a textbook synchronous generate → score → full-forward GRPO update loop."""
     import torch
 
     from trainer_service.losses import resolve_loss
-    from trainer_service.losses.advantages import group_advantages
-    from trainer_service.losses.grpo import grpo_loss
 
     cfg, tok, engine, tasks, reward, rng = _setup(config_path)
     model = engine.model
@@ -90,40 +139,9 @@ def plain_loop(config_path: Path, steps: int) -> list[float]:
     for step in range(steps):
         t0 = time.perf_counter()
         batch, prompts, samples = _generate(cfg, tok, engine, tasks, rng)
-        prompts_rows, comps, blps, rewards = [], [], [], []
-        for t, p, ss in zip(batch, prompts, samples):
-            rewards.append([reward(tok.decode(s.completion_ids, skip_special_tokens=True), t) for s in ss])
-            for s in ss:
-                prompts_rows.append(p)
-                comps.append(s.completion_ids)
-                blps.append(s.logprobs)
-        adv = group_advantages(torch.tensor(rewards, dtype=torch.float64), "grpo", cfg.trainer.adv_eps).flatten().float()
-        # left-padded prompts then right-padded completions (as TRL lays them out): every completion
-        # starts at column P, and only the last T + 1 positions go through the output layer
-        B, P, T = len(comps), max(map(len, prompts_rows)), max(1, max(map(len, comps)))
-        ids = torch.full((B, P + T), tok.pad_token_id)
-        attn = torch.zeros_like(ids)
-        blp = torch.zeros(B, T)
-        mask = torch.zeros(B, T)
-        for i, (pr, c) in enumerate(zip(prompts_rows, comps)):
-            ids[i, P - len(pr):P] = torch.tensor(pr)
-            attn[i, P - len(pr):P] = 1
-            if c:
-                ids[i, P:P + len(c)] = torch.tensor(c)
-                attn[i, P:P + len(c)] = 1
-                blp[i, :len(c)] = torch.tensor(blps[i])
-                mask[i, :len(c)] = 1
-        model.train()
-        opt.zero_grad()
-        pos = (attn.cumsum(1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1).logits[:, :-1]
-        lp = torch.log_softmax(logits.float() / cfg.scheduler.temperature, -1).gather(-1, ids[:, P:, None])[..., 0]
-        norm = mask.sum().clamp(min=1) if loss_cfg.loss_agg == "token_mean" else float(B)
-        loss, _ = grpo_loss(lp, blp, adv, mask, float(norm), loss_cfg)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.max_grad_norm)
-        opt.step()
-        model.eval()
+        rewards = [[reward(tok.decode(s.completion_ids, skip_special_tokens=True), t) for s in ss]
+                   for t, ss in zip(batch, samples)]
+        plain_update(cfg, tok, model, opt, loss_cfg, prompts, samples, rewards)
         times.append(time.perf_counter() - t0)
         print(f"plain loop step {step + 1}: {times[-1]:.1f} s, reward {float(torch.tensor(rewards).mean()):.3f}",
               flush=True)
@@ -169,6 +187,7 @@ def flywheel(config_path: Path, steps: int) -> tuple[list[float], dict]:
         cmd = [sys.executable, "-m", "shared.cli", "run", str(config_path), "--report", str(report),
                "--set", f"trainer.max_steps={steps}", "--set", "scheduler.eval_every=0",
                "--set", "scheduler.oversample=1.0",  # the loops generate exactly B groups per step
+               "--set", "scheduler.resample_unsolved=0",  # ... and no extra groups for unsolved ones
                "--set", "tasks.eval_size=0", "--set", "scheduler.eval_before_training=false",
                "--set", f"run.dir={tmp}/runs"]
         subprocess.run(cmd, check=True, cwd=tmp)

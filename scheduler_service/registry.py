@@ -51,7 +51,8 @@ CREATE TABLE IF NOT EXISTS "groups" (
     issued_at REAL,
     deadline REAL,
     state TEXT NOT NULL CHECK (state IN ('pending', 'issued', 'complete', 'abandoned')),
-    received INTEGER NOT NULL DEFAULT 0
+    received INTEGER NOT NULL DEFAULT 0,
+    resample_of TEXT
 );
 CREATE INDEX IF NOT EXISTS groups_state ON "groups" (state, deadline);
 CREATE INDEX IF NOT EXISTS groups_round ON "groups" (eval_round);
@@ -104,13 +105,16 @@ class RewardOutcome:
 
     ``new``: the trajectory id was not seen before. ``counted``: it filled a sample index of a
     known group for the first time. ``scored``: counted and not an infrastructure error (it
-    changed the task's samples/passes). ``completed``: it completed its group.
+    changed the task's samples/passes). ``completed``: it completed its group. ``resample``: the
+    group it completed was unsolved and a larger group of the same task was written for it
+    (``issued``; to be sent), see :meth:`Registry.record_reward`.
     """
 
     new: bool
     counted: bool
     scored: bool
     completed: bool
+    resample: IssuedGroup | None = None
 
 
 def canonical_payload(task: Task) -> str:
@@ -145,6 +149,9 @@ class Registry:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        cols = {r["name"] for r in self._db.execute('PRAGMA table_info("groups")')}
+        if "resample_of" not in cols:  # a registry written before unsolved groups were re-sampled
+            self._db.execute('ALTER TABLE "groups" ADD COLUMN resample_of TEXT')
 
     @classmethod
     def from_url(cls, database_url: str, run: RunConfig) -> "Registry":
@@ -288,15 +295,18 @@ class Registry:
     # ------------------------------------------------------------ groups
 
     def _new_group(self, db: sqlite3.Connection, task_id: str, purpose: str, state: str,
-                   eval_round: int | None, now: float, deadline: float | None) -> tuple[str, Task]:
+                   eval_round: int | None, now: float, deadline: float | None, n: int | None = None,
+                   resample_of: str | None = None) -> tuple[str, Task]:
         row = db.execute("SELECT payload, groups_issued FROM tasks WHERE task_id = ?", (task_id,)).fetchone()
         task = Task.model_validate_json(row["payload"])
         group_id = f"{task_id}:{row['groups_issued']}"
+        if n is None:
+            n = task.samples_per_task if purpose == "train" else 1
         db.execute(
-            'INSERT INTO "groups" (group_id, task_id, purpose, attempt, n, eval_round, issued_at, deadline, state)'
-            " VALUES (?, ?, ?, 1, ?, ?, ?, ?, ?)",
-            (group_id, task_id, purpose, task.samples_per_task if purpose == "train" else 1, eval_round,
-             now if state == "issued" else None, deadline, state),
+            'INSERT INTO "groups" (group_id, task_id, purpose, attempt, n, eval_round, issued_at, deadline, state,'
+            " resample_of) VALUES (?, ?, ?, 1, ?, ?, ?, ?, ?, ?)",
+            (group_id, task_id, purpose, n, eval_round, now if state == "issued" else None, deadline, state,
+             resample_of),
         )
         db.execute(
             "UPDATE tasks SET groups_issued = groups_issued + 1,"
@@ -319,10 +329,11 @@ class Registry:
         return out
 
     def train_group_counts(self) -> tuple[int, int]:
-        """``(issued, in_flight)`` training groups: issued counts every group not abandoned."""
+        """``(issued, in_flight)`` training groups: issued counts every group not abandoned, except
+        re-samples of unsolved groups (extra groups, like oversampling); in flight counts them too."""
         row = self._one(
-            "SELECT COALESCE(SUM(state != 'abandoned'), 0) AS issued, COALESCE(SUM(state = 'issued'), 0) AS fl"
-            ' FROM "groups" WHERE purpose = \'train\''
+            "SELECT COALESCE(SUM(state != 'abandoned' AND resample_of IS NULL), 0) AS issued,"
+            " COALESCE(SUM(state = 'issued'), 0) AS fl FROM \"groups\" WHERE purpose = 'train'"
         )
         return int(row["issued"]), int(row["fl"])
 
@@ -386,11 +397,19 @@ class Registry:
 
     # ------------------------------------------------------------ rewards
 
-    def record_reward(self, ev: RewardEvent) -> RewardOutcome:
+    def record_reward(self, ev: RewardEvent, resample_n: int = 0, deadline_s: float = 600.0) -> RewardOutcome:
         """Count one RewardEvent once (by trajectory id, then by group id + sample index).
 
         Events of unknown groups (another scheduler's, or a task id that does not match) are
         ignored. Infrastructure errors fill their sample index but change no samples/passes.
+
+        With ``resample_n`` > 0, an event that completes an *unsolved* training group writes, in
+        the same transaction, one more ``issued`` group of the same task with ``resample_n``
+        samples (deadline ``deadline_s`` seconds), returned as ``outcome.resample``. Unsolved: no
+        sample passed, none was an infrastructure error, all rewards are equal (so every
+        advantage is 0), the group has fewer than ``resample_n`` samples, is not itself a
+        re-sample, and its domain is not paused. One write per group, so a redelivered event never
+        re-samples twice; a re-sample whose send fails is re-issued at its deadline.
         """
         nothing = RewardOutcome(False, False, False, False)
         with self._tx() as db:
@@ -423,7 +442,27 @@ class Registry:
             if scored:
                 db.execute("UPDATE tasks SET samples = samples + 1, passes = passes + ? WHERE task_id = ?",
                            (int(ev.passed), ev.task_id))
-            return RewardOutcome(True, True, scored, completed)
+            resample = None
+            if completed and resample_n > g["n"] and g["purpose"] == "train" and g["resample_of"] is None:
+                resample = self._resample_unsolved(db, g, resample_n, deadline_s)
+            return RewardOutcome(True, True, scored, completed, resample)
+
+    def _resample_unsolved(self, db: sqlite3.Connection, g: sqlite3.Row, n: int,
+                           deadline_s: float) -> IssuedGroup | None:
+        r = db.execute(
+            "SELECT MAX(passed) AS p, MAX(infra_error) AS e, MIN(reward) AS lo, MAX(reward) AS hi FROM rewards"
+            " WHERE group_id = ? AND counted = 1", (g["group_id"],)
+        ).fetchone()
+        if r["p"] or r["e"] or r["lo"] != r["hi"]:
+            return None
+        domain = db.execute("SELECT domain FROM tasks WHERE task_id = ?", (g["task_id"],)).fetchone()["domain"]
+        row = db.execute("SELECT value FROM kv WHERE key = ?", (_PAUSED_KEY,)).fetchone()
+        if row and domain in orjson.loads(row["value"]):
+            return None
+        now = time.time()
+        gid, task = self._new_group(db, g["task_id"], "train", "issued", None, now, now + deadline_s, n=n,
+                                    resample_of=g["group_id"])
+        return IssuedGroup(gid, task, "train", 1, n, None, 0)
 
     # ------------------------------------------------------------ eval rounds
 

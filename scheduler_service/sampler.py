@@ -14,8 +14,10 @@ Three loops in one asyncio task group, each stopping within about one poll inter
 - ``watch``: flywheel.weights and flywheel.metrics without a group, from the earliest offset:
   the highest weight version is the policy version; trainer metrics feed the history.
 
-Simplified: tasks are chosen fewest-groups-first with a seeded RNG breaking ties (epochs over
-the dataset); no domain mix or curriculum yet.
+Tasks are chosen fewest-groups-first with a seeded RNG breaking ties (epochs over the
+dataset), optionally with the learnability curriculum (``scheduler.curriculum``), oversampling
+(``scheduler.oversample``) and one larger re-sample of each unsolved group
+(``scheduler.resample_unsolved``, sent from the rewards loop when the group completes).
 """
 
 from __future__ import annotations
@@ -264,7 +266,10 @@ class Sampler:
         ev = await decode_or_dead_letter(self.state.producer, msg, RewardEvent, self.name)
         if ev is None:
             return
-        outcome = self.registry.record_reward(ev)
+        sc = self.cfg.scheduler
+        # no re-samples once the trainer is done: nothing would train them
+        resample_n = sc.resample_unsolved if self.registry.policy_version < self.cfg.trainer.max_steps else 0
+        outcome = self.registry.record_reward(ev, resample_n, sc.group_deadline_s)
         # only events of this registry's groups (another deployment's tasks are not ours to pause)
         if ev.misconfigured and outcome.new and self.registry.pause_domain(ev.domain, ev.reason or "misconfigured",
                                                                            ev.task_id):
@@ -273,6 +278,10 @@ class Sampler:
         self.state.stats.on_reward(ev, outcome, self.registry.policy_version)
         if outcome.completed:
             log.info("group %s complete", ev.group_id)
+        if outcome.resample is not None:  # its row is written: a failed send is re-issued at its deadline
+            log.info("group %s unsolved: re-sampling task %s with %d samples as %s", ev.group_id, ev.task_id,
+                     outcome.resample.n, outcome.resample.group_id)
+            await self._send([outcome.resample])
 
     async def _watch_loop(self) -> None:
         consumer = make_consumer(self.cfg.kafka, topics.WEIGHTS, topics.METRICS, group_id=None,

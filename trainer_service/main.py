@@ -132,9 +132,11 @@ async def _step(config: FlywheelConfig, trainer: PolicyTrainer, store: Checkpoin
                 producer, wait_s: float, previous: asyncio.Task | None, broadcaster=None) -> asyncio.Task:
     """Train one step now; return the task that makes it durable and announces it (after ``previous``)."""
     cfg = config.trainer
-    # with oversampling (scheduler.oversample > 1) the scheduler issues more groups than a step takes:
-    # pick those whose rewards differ first; the rest wait for the next step or go stale (counted)
-    groups = buffer.take(cfg.batch_groups, prefer_informative=config.scheduler.oversample > 1)
+    # with oversampling (scheduler.oversample > 1) or re-samples of unsolved groups the scheduler issues
+    # more groups than a step takes: pick those whose rewards differ first; the rest wait for the next
+    # step or go stale (counted)
+    extra = config.scheduler.oversample > 1 or config.scheduler.resample_unsolved > 0
+    groups = buffer.take(cfg.batch_groups, prefer_informative=extra)
     metrics = await asyncio.to_thread(trainer.train_step, groups)
     t0 = time.perf_counter()
     done = buffer.done_groups | buffer.in_flight  # includes earlier steps still being saved

@@ -164,3 +164,69 @@ def test_a_paused_domain_gets_no_training_groups_until_resumed(reg):
     assert reg.least_issued_train_tasks() == ["ok"]  # the fewest groups among unpaused domains
     assert reg.resume_domain("broken") and not reg.resume_domain("broken")
     assert reg.least_issued_train_tasks() == ["bad"] and reg.paused_domains() == {}
+
+
+def _ev_n(group_id: str, i: int, n: int, reward: float = 0.0, passed: bool = False, infra: bool = False) -> RewardEvent:
+    return _ev(group_id, i, passed=passed, infra=infra).model_copy(update={"group_size": n, "reward": reward})
+
+
+def test_an_unsolved_group_is_resampled_once_with_more_samples(reg):
+    reg.register_tasks([_task(t) for t in ("zero", "half", "flaky", "diff")])
+    groups = {t: reg.issue_train_groups([t], deadline_s=60)[0].group_id for t in ("zero", "half", "flaky", "diff")}
+    assert reg.train_group_counts() == (4, 4)
+    # unsolved: no pass, equal rewards -> one extra group of 6 samples, written with the completing event
+    assert reg.record_reward(_ev_n(groups["zero"], 0, 2), resample_n=6).resample is None  # not complete yet
+    out = reg.record_reward(_ev_n(groups["zero"], 1, 2), resample_n=6, deadline_s=60)
+    assert out.completed and out.resample is not None
+    assert (out.resample.group_id, out.resample.n, out.resample.purpose, out.resample.attempt) == ("zero:1", 6,
+                                                                                                     "train", 1)
+    row = reg.get_group("zero:1")
+    assert (row["state"], row["n"], row["resample_of"]) == ("issued", 6, "zero:0")
+    assert reg.train_group_counts() == (4, 4)  # an extra group: not in the issue budget, but in flight
+    # a redelivered completing event re-samples nothing
+    assert reg.record_reward(_ev_n(groups["zero"], 1, 2), resample_n=6).resample is None
+    # the re-sample itself is never re-sampled, even when unsolved
+    for i in range(6):
+        assert reg.record_reward(_ev_n("zero:1", i, 6), resample_n=6).resample is None
+    assert reg.get_group("zero:1")["state"] == "complete" and reg.get_task("zero")["samples"] == 8
+    # a pass, an infrastructure error or unequal rewards (advantages not all 0): no re-sample
+    reg.record_reward(_ev_n(groups["half"], 0, 2, reward=1.0, passed=True), resample_n=6)
+    assert reg.record_reward(_ev_n(groups["half"], 1, 2), resample_n=6).resample is None
+    reg.record_reward(_ev_n(groups["flaky"], 0, 2, infra=True), resample_n=6)
+    assert reg.record_reward(_ev_n(groups["flaky"], 1, 2), resample_n=6).resample is None
+    reg.record_reward(_ev_n(groups["diff"], 0, 2, reward=0.3), resample_n=6)
+    assert reg.record_reward(_ev_n(groups["diff"], 1, 2), resample_n=6).resample is None
+
+
+def test_no_resample_when_off_too_small_or_paused(reg):
+    reg.register_tasks([_task(t) for t in ("a", "b", "c")])
+    for t in ("a", "b", "c"):
+        reg.issue_train_groups([t], deadline_s=60)
+    reg.record_reward(_ev_n("a:0", 0, 2))
+    assert reg.record_reward(_ev_n("a:0", 1, 2), resample_n=0).resample is None  # off
+    reg.record_reward(_ev_n("b:0", 0, 2))
+    assert reg.record_reward(_ev_n("b:0", 1, 2), resample_n=2).resample is None  # not larger than the group
+    assert reg.pause_domain("toy", "broken", "c")
+    reg.record_reward(_ev_n("c:0", 0, 2))
+    assert reg.record_reward(_ev_n("c:0", 1, 2), resample_n=6).resample is None  # domain paused
+    assert reg.train_group_counts() == (3, 0)
+
+
+def test_a_registry_from_before_resampling_gains_the_column(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    old = Registry(path)
+    old.close()
+    db = sqlite3.connect(path)
+    db.execute('ALTER TABLE "groups" DROP COLUMN resample_of')
+    db.commit()
+    db.close()
+    reg = Registry(path)
+    try:
+        reg.register_tasks([_task("t")])
+        reg.issue_train_groups(["t"], deadline_s=60)
+        reg.record_reward(_ev_n("t:0", 0, 2))
+        assert reg.record_reward(_ev_n("t:0", 1, 2), resample_n=4).resample.n == 4
+    finally:
+        reg.close()

@@ -224,3 +224,34 @@ async def test_a_misconfigured_reward_pauses_its_domain_until_resumed(make_confi
         r = await client.post(f"/v1/domains/{dom}/resume")
         assert r.status_code == 200 and r.json() == {"domain": dom, "state": "resumed"}
         assert len(await collect(requests, RolloutRequest, mine, want=1)) == 1, "no group after the resume"
+
+
+async def test_an_unsolved_group_is_resampled_with_more_samples(make_config, kafka_cfg, unique, running, task,
+                                                                 kafka_io):
+    """``resample_unsolved: 6``: a group whose K = 2 samples all fail is followed at once by one group of 6
+    samples of the same task, beyond the issue budget (still one group per policy version); a solved
+    group and the re-sample itself get none."""
+    producer, reader = kafka_io
+    ids = [f"{unique}-t{i}" for i in range(3)]
+    requests = await reader(topics.ROLLOUT_REQUESTS)
+    mine = lambda r: r.task.task_id in ids  # noqa: E731
+    cfg = _cfg(make_config, kafka_cfg, unique, resample_unsolved=6)
+    cfg.trainer.max_staleness = 1  # room in flight for the re-sample: (η + 1) · B = 2
+    async with running(cfg) as (client, state):
+        assert (await client.post("/v1/tasks", json={"tasks": [task(t) for t in ids]})).status_code == 202
+        first = await collect(requests, RolloutRequest, mine, want=2, settle_s=1.0)  # (0 + 1 + 1) · 1
+        assert len(first) == 2 and all(r.n == 2 for r in first), first
+        unsolved, solved = first
+        for i in range(2):
+            await _produce(producer, topics.REWARDS, _reward(unsolved, i, False), unsolved.task.task_id)
+            await _produce(producer, topics.REWARDS, _reward(solved, i, i == 0), solved.task.task_id)
+        (extra,) = await collect(requests, RolloutRequest, mine, want=1, settle_s=1.5)
+        assert (extra.task.task_id, extra.n, extra.purpose) == (unsolved.task.task_id, 6, "train")
+        assert state.registry.get_group(extra.group_id)["resample_of"] == unsolved.group_id
+        assert state.registry.train_group_counts() == (2, 1)
+        for i in range(6):  # the re-sample fails too: nothing more
+            await _produce(producer, topics.REWARDS, _reward(extra, i, False), extra.task.task_id)
+        assert await wait_for(lambda: state.registry.get_group(extra.group_id)["state"] == "complete")
+        assert await collect(requests, RolloutRequest, mine, want=1, timeout_s=1.5) == []
+        t = (await client.get(f"/v1/tasks/{unsolved.task.task_id}")).json()
+        assert (t["samples"], t["passes"], t["groups_issued"]) == (8, 0, 2)
