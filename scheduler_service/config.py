@@ -42,12 +42,13 @@ class SchedulerConfig(BaseModel):
     Yu et al. 2025 §3.2): a group with equal rewards has zero advantage and teaches nothing."""
     resample_unsolved: int = Field(0, ge=0, le=1024)
     """Samples of one extra group for a task whose training group came back unsolved: no sample
-    passed and all rewards equal, so every advantage is 0 (0 = off). The extra group is sent at
-    once, at most once per original group; it is not counted against the issue budget (like
-    ``oversample``) but is in flight like any group, and the trainer takes groups whose rewards
-    differ first. A larger group finds the rare correct answers of tasks the policy almost never
-    solves, which plain K-sample GRPO never learns from: the adaptive per-task rollout budgets of
-    Knapsack RL (Li et al. 2025, arXiv:2509.25849), reduced to one retry."""
+    passed and all rewards equal, so every advantage is 0 (0 = off). The extra group replaces it:
+    it is sent at once, at most once per original group, outside the issue budget (in flight like
+    any group), and the trainer sets the unsolved group aside instead of training it. A larger
+    group finds the rare correct answers of tasks the policy almost never solves, which plain
+    K-sample GRPO never learns from: the adaptive per-task rollout budgets of Knapsack RL (Li et
+    al. 2025, arXiv:2509.25849), reduced to one retry. With a per-sequence loss mean
+    (``trainer.loss_agg``), a larger group weighs more in its step."""
     poll_interval_s: float = Field(0.05, gt=0, le=10)
     """How often the sampler loop looks for capacity (seconds)."""
     seed: int = 0

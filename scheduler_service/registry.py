@@ -107,7 +107,7 @@ class RewardOutcome:
     known group for the first time. ``scored``: counted and not an infrastructure error (it
     changed the task's samples/passes). ``completed``: it completed its group. ``resample``: the
     group it completed was unsolved and a larger group of the same task was written for it
-    (``issued``; to be sent), see :meth:`Registry.record_reward`.
+    (``pending``: the sampler's next pass sends it), see :meth:`Registry.record_reward`.
     """
 
     new: bool
@@ -151,7 +151,11 @@ class Registry:
         self._db.executescript(_SCHEMA)
         cols = {r["name"] for r in self._db.execute('PRAGMA table_info("groups")')}
         if "resample_of" not in cols:  # a registry written before unsolved groups were re-sampled
-            self._db.execute('ALTER TABLE "groups" ADD COLUMN resample_of TEXT')
+            try:
+                self._db.execute('ALTER TABLE "groups" ADD COLUMN resample_of TEXT')
+            except sqlite3.OperationalError as e:  # another process added it first
+                if "duplicate column" not in str(e):
+                    raise
 
     @classmethod
     def from_url(cls, database_url: str, run: RunConfig) -> "Registry":
@@ -397,19 +401,23 @@ class Registry:
 
     # ------------------------------------------------------------ rewards
 
-    def record_reward(self, ev: RewardEvent, resample_n: int = 0, deadline_s: float = 600.0) -> RewardOutcome:
+    def record_reward(self, ev: RewardEvent, resample_n: int = 0) -> RewardOutcome:
         """Count one RewardEvent once (by trajectory id, then by group id + sample index).
 
         Events of unknown groups (another scheduler's, or a task id that does not match) are
         ignored. Infrastructure errors fill their sample index but change no samples/passes.
 
         With ``resample_n`` > 0, an event that completes an *unsolved* training group writes, in
-        the same transaction, one more ``issued`` group of the same task with ``resample_n``
-        samples (deadline ``deadline_s`` seconds), returned as ``outcome.resample``. Unsolved: no
-        sample passed, none was an infrastructure error, all rewards are equal (so every
-        advantage is 0), the group has fewer than ``resample_n`` samples, is not itself a
-        re-sample, and its domain is not paused. One write per group, so a redelivered event never
-        re-samples twice; a re-sample whose send fails is re-issued at its deadline.
+        the same transaction, one more ``pending`` group of the same task with ``resample_n``
+        samples, returned as ``outcome.resample``; :meth:`take_pending` hands it to the sampler
+        like an eval group, so it is sent even when the process stops right after this commit.
+        Unsolved: no sample passed, none was an infrastructure error, all rewards are equal (so
+        every advantage is 0), the group has fewer than ``resample_n`` samples and is not itself a
+        re-sample. The trainer sets such groups aside with the same test
+        (``trainer_service.groups.Group.unsolved``) and counts on the re-sample to take their place,
+        so it is written even in a paused domain. One write per group, so a redelivered
+        event never re-samples twice. The re-sample counts as one of the task's groups in the
+        fewest-groups-first rotation.
         """
         nothing = RewardOutcome(False, False, False, False)
         with self._tx() as db:
@@ -444,23 +452,17 @@ class Registry:
                            (int(ev.passed), ev.task_id))
             resample = None
             if completed and resample_n > g["n"] and g["purpose"] == "train" and g["resample_of"] is None:
-                resample = self._resample_unsolved(db, g, resample_n, deadline_s)
+                resample = self._resample_unsolved(db, g, resample_n)
             return RewardOutcome(True, True, scored, completed, resample)
 
-    def _resample_unsolved(self, db: sqlite3.Connection, g: sqlite3.Row, n: int,
-                           deadline_s: float) -> IssuedGroup | None:
+    def _resample_unsolved(self, db: sqlite3.Connection, g: sqlite3.Row, n: int) -> IssuedGroup | None:
         r = db.execute(
             "SELECT MAX(passed) AS p, MAX(infra_error) AS e, MIN(reward) AS lo, MAX(reward) AS hi FROM rewards"
             " WHERE group_id = ? AND counted = 1", (g["group_id"],)
         ).fetchone()
         if r["p"] or r["e"] or r["lo"] != r["hi"]:
             return None
-        domain = db.execute("SELECT domain FROM tasks WHERE task_id = ?", (g["task_id"],)).fetchone()["domain"]
-        row = db.execute("SELECT value FROM kv WHERE key = ?", (_PAUSED_KEY,)).fetchone()
-        if row and domain in orjson.loads(row["value"]):
-            return None
-        now = time.time()
-        gid, task = self._new_group(db, g["task_id"], "train", "issued", None, now, now + deadline_s, n=n,
+        gid, task = self._new_group(db, g["task_id"], "train", "pending", None, time.time(), None, n=n,
                                     resample_of=g["group_id"])
         return IssuedGroup(gid, task, "train", 1, n, None, 0)
 

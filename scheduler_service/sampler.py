@@ -17,7 +17,8 @@ Three loops in one asyncio task group, each stopping within about one poll inter
 Tasks are chosen fewest-groups-first with a seeded RNG breaking ties (epochs over the
 dataset), optionally with the learnability curriculum (``scheduler.curriculum``), oversampling
 (``scheduler.oversample``) and one larger re-sample of each unsolved group
-(``scheduler.resample_unsolved``, sent from the rewards loop when the group completes).
+(``scheduler.resample_unsolved``, written by the rewards loop when the group completes and sent
+by the issue loop like a pending eval group).
 """
 
 from __future__ import annotations
@@ -269,7 +270,7 @@ class Sampler:
         sc = self.cfg.scheduler
         # no re-samples once the trainer is done: nothing would train them
         resample_n = sc.resample_unsolved if self.registry.policy_version < self.cfg.trainer.max_steps else 0
-        outcome = self.registry.record_reward(ev, resample_n, sc.group_deadline_s)
+        outcome = self.registry.record_reward(ev, resample_n)
         # only events of this registry's groups (another deployment's tasks are not ours to pause)
         if ev.misconfigured and outcome.new and self.registry.pause_domain(ev.domain, ev.reason or "misconfigured",
                                                                            ev.task_id):
@@ -278,10 +279,9 @@ class Sampler:
         self.state.stats.on_reward(ev, outcome, self.registry.policy_version)
         if outcome.completed:
             log.info("group %s complete", ev.group_id)
-        if outcome.resample is not None:  # its row is written: a failed send is re-issued at its deadline
+        if outcome.resample is not None:  # written pending: the issue loop sends it on its next pass
             log.info("group %s unsolved: re-sampling task %s with %d samples as %s", ev.group_id, ev.task_id,
                      outcome.resample.n, outcome.resample.group_id)
-            await self._send([outcome.resample])
 
     async def _watch_loop(self) -> None:
         consumer = make_consumer(self.cfg.kafka, topics.WEIGHTS, topics.METRICS, group_id=None,

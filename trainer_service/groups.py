@@ -37,6 +37,14 @@ class Group:
         return len({s.reward.total for s in self.samples.values()}) <= 1
 
     @property
+    def unsolved(self) -> bool:
+        """No sample passed (reward total < 1.0, the verifier's ``passed``), none was an infrastructure
+        error, and all rewards are equal: the scheduler's test for re-sampling a group
+        (``Registry.record_reward`` with ``scheduler.resample_unsolved``)."""
+        rewards = [s.reward for s in self.samples.values()]
+        return self.zero_variance and all(r.total < 1.0 and not r.infra_error for r in rewards)
+
+    @property
     def behaviour_version(self) -> int:
         """Oldest policy version that produced any token of the group."""
         return min(s.trajectory.behaviour_version for s in self.samples.values())
@@ -50,10 +58,15 @@ class GroupBuffer:
             (and counted) once the trainer's version v has v − v_b > η.
         done_groups: group ids already trained or dropped (restored from a checkpoint); their
             records are skipped, so a redelivery never trains a sample twice.
+        resample_unsolved: ``scheduler.resample_unsolved``. When > 0, a complete group smaller than
+            this that is :attr:`Group.unsolved` is set aside (counted ``superseded_unsolved``), never
+            trained: the scheduler has sent a larger group of the same task in its place, outside
+            its issue budget, so the trainer still gets ``batch_groups`` groups for every step.
     """
 
-    def __init__(self, max_staleness: int, done_groups: set[str] | None = None) -> None:
+    def __init__(self, max_staleness: int, done_groups: set[str] | None = None, resample_unsolved: int = 0) -> None:
         self.max_staleness = max_staleness
+        self.resample_unsolved = resample_unsolved
         self.done_groups: set[str] = set(done_groups or ())
         self.partial: dict[str, Group] = {}
         self.ready: list[Group] = []
@@ -90,7 +103,11 @@ class GroupBuffer:
             self._finish(self.partial.pop(gid), "dropped_failed")
             return
         if group.complete:
-            self.ready.append(self.partial.pop(gid))
+            group = self.partial.pop(gid)
+            if self.resample_unsolved > group.size and group.unsolved:
+                self._finish(group, "superseded_unsolved")  # its re-sample trains in its place
+            else:
+                self.ready.append(group)
 
     # ------------------------------------------------------------------ staleness and batching
     def drop_stale(self, version: int) -> int:

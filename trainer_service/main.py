@@ -75,7 +75,7 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
     stop, _ = kafka.prepare_service("trainer", config, stop)
     cfg = config.trainer
     trainer, store, done = await asyncio.to_thread(build_trainer, config)
-    buffer = GroupBuffer(cfg.max_staleness, done)
+    buffer = GroupBuffer(cfg.max_staleness, done, config.scheduler.resample_unsolved)
     await kafka.ensure_topics(config.kafka)
     producer = kafka.make_producer(config.kafka, "trainer")
     consumer = kafka.make_consumer(config.kafka, topics.SCORED, group_id="trainer", client_id="trainer")
@@ -132,18 +132,16 @@ async def _step(config: FlywheelConfig, trainer: PolicyTrainer, store: Checkpoin
                 producer, wait_s: float, previous: asyncio.Task | None, broadcaster=None) -> asyncio.Task:
     """Train one step now; return the task that makes it durable and announces it (after ``previous``)."""
     cfg = config.trainer
-    # with oversampling (scheduler.oversample > 1) or re-samples of unsolved groups the scheduler issues
-    # more groups than a step takes: pick those whose rewards differ first; the rest wait for the next
-    # step or go stale (counted)
-    extra = config.scheduler.oversample > 1 or config.scheduler.resample_unsolved > 0
-    groups = buffer.take(cfg.batch_groups, prefer_informative=extra)
+    # with oversampling (scheduler.oversample > 1) the scheduler issues more groups than a step takes:
+    # pick those whose rewards differ first; the rest wait for the next step or go stale (counted)
+    groups = buffer.take(cfg.batch_groups, prefer_informative=config.scheduler.oversample > 1)
     metrics = await asyncio.to_thread(trainer.train_step, groups)
     t0 = time.perf_counter()
     done = buffer.done_groups | buffer.in_flight  # includes earlier steps still being saved
     weights, state = await asyncio.to_thread(lambda: (snapshot_weights(trainer.model), trainer.state_dict(done)))
     metrics["time/snapshot_s"] = time.perf_counter() - t0
     metrics["time/wait_for_data_s"] = wait_s
-    for k in ("dropped_stale", "dropped_failed", "duplicates_skipped"):
+    for k in ("dropped_stale", "dropped_failed", "duplicates_skipped", "superseded_unsolved"):
         metrics[f"train/{k}_total"] = float(buffer.counters[k])
     metrics["train/trained_groups_total"] = float(buffer.counters["trained_groups"] + len(groups))
     return asyncio.create_task(_publish(config, store, buffer, producer, groups, weights, state, metrics,

@@ -176,12 +176,14 @@ def test_an_unsolved_group_is_resampled_once_with_more_samples(reg):
     assert reg.train_group_counts() == (4, 4)
     # unsolved: no pass, equal rewards -> one extra group of 6 samples, written with the completing event
     assert reg.record_reward(_ev_n(groups["zero"], 0, 2), resample_n=6).resample is None  # not complete yet
-    out = reg.record_reward(_ev_n(groups["zero"], 1, 2), resample_n=6, deadline_s=60)
+    out = reg.record_reward(_ev_n(groups["zero"], 1, 2), resample_n=6)
     assert out.completed and out.resample is not None
     assert (out.resample.group_id, out.resample.n, out.resample.purpose, out.resample.attempt) == ("zero:1", 6,
                                                                                                      "train", 1)
     row = reg.get_group("zero:1")
-    assert (row["state"], row["n"], row["resample_of"]) == ("issued", 6, "zero:0")
+    assert (row["state"], row["n"], row["resample_of"]) == ("pending", 6, "zero:0")
+    (sent,) = reg.take_pending(deadline_s=60)  # the sampler's issue loop sends it
+    assert (sent.group_id, sent.n) == ("zero:1", 6) and reg.get_group("zero:1")["state"] == "issued"
     assert reg.train_group_counts() == (4, 4)  # an extra group: not in the issue budget, but in flight
     # a redelivered completing event re-samples nothing
     assert reg.record_reward(_ev_n(groups["zero"], 1, 2), resample_n=6).resample is None
@@ -198,7 +200,7 @@ def test_an_unsolved_group_is_resampled_once_with_more_samples(reg):
     assert reg.record_reward(_ev_n(groups["diff"], 1, 2), resample_n=6).resample is None
 
 
-def test_no_resample_when_off_too_small_or_paused(reg):
+def test_no_resample_when_off_or_not_larger(reg):
     reg.register_tasks([_task(t) for t in ("a", "b", "c")])
     for t in ("a", "b", "c"):
         reg.issue_train_groups([t], deadline_s=60)
@@ -208,8 +210,9 @@ def test_no_resample_when_off_too_small_or_paused(reg):
     assert reg.record_reward(_ev_n("b:0", 1, 2), resample_n=2).resample is None  # not larger than the group
     assert reg.pause_domain("toy", "broken", "c")
     reg.record_reward(_ev_n("c:0", 0, 2))
-    assert reg.record_reward(_ev_n("c:0", 1, 2), resample_n=6).resample is None  # domain paused
-    assert reg.train_group_counts() == (3, 0)
+    # even in a paused domain: the trainer has set the unsolved group aside and waits for its place-taker
+    assert reg.record_reward(_ev_n("c:0", 1, 2), resample_n=6).resample.n == 6
+    assert reg.train_group_counts() == (3, 0)  # the re-sample is pending, not yet in flight
 
 
 def test_a_registry_from_before_resampling_gains_the_column(tmp_path):

@@ -206,6 +206,26 @@ def test_take_prefers_groups_whose_rewards_differ_when_asked():
     assert [g.group_id for g in buf2.take(1)] == ["flat0"]  # default: arrival order
 
 
+def test_unsolved_groups_are_set_aside_for_their_resample():
+    """``resample_unsolved: 6``: a complete group of 2 with no pass and equal rewards never trains (the
+    scheduler sent a 6-sample group of its task in its place); solved, mixed, penalised-but-differing
+    and 6-sample groups do, and nothing is set aside when the option is off."""
+    buf = GroupBuffer(max_staleness=1, resample_unsolved=6)
+    fill(buf, "zero", [0, 0])
+    fill(buf, "neg", [-0.5, -0.5])  # equal rewards below the pass mark: unsolved too
+    fill(buf, "solved", [1, 1])
+    fill(buf, "mixed", [0, 0.5])
+    fill(buf, "resample", [0] * 6)  # the re-sample itself trains (here: zero advantage)
+    buf.add(scored("partial", 0, size=2, reward=0), ("s", 0), 9_999)
+    assert [g.group_id for g in buf.ready] == ["solved", "mixed", "resample"]
+    assert buf.counters["superseded_unsolved"] == 2 and {"zero", "neg"} <= buf.done_groups
+    fill(buf, "zero", [0, 0])  # a redelivery is skipped, not set aside again
+    assert buf.counters["superseded_unsolved"] == 2 and buf.counters["duplicates_skipped"] == 2
+    off = GroupBuffer(max_staleness=1)
+    fill(off, "zero", [0, 0])
+    assert [g.group_id for g in off.ready] == ["zero"] and not off.counters["superseded_unsolved"]
+
+
 @pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
 def test_trainer_scores_at_the_sampling_temperature(tiny, temperature):
     """On-policy, the trainer's log-probs equal the rollout engine's behaviour log-probs (ratio 1)."""
