@@ -1,7 +1,9 @@
 """Flywheel vs a plain single-process synchronous GRPO loop, same settings, same run.
 
 All three use the settings of ``examples/arithmetic.yaml`` (SmolLM2-135M-Instruct, basic_arithmetic,
-4 groups x 8 samples, 24 new tokens, lr 1e-5, fp32):
+4 groups x 8 samples, 24 new tokens, lr 1e-5, fp32) less its KL term and its re-samples of unsolved
+groups, which the reference loop does not have (the KL term costs a reference forward and trains
+zero-advantage rows too):
 
 - **plain loop** (the baseline of the target): the textbook synchronous loop in one process with
   both cores (``torch.set_num_threads(2)``): ``generate`` → score → one forward of every
@@ -155,7 +157,8 @@ def flywheel_trainer_loop(config_path: Path, steps: int) -> list[float]:
     from trainer_service.trainer import PolicyTrainer
 
     cfg, tok, engine, tasks, reward, rng = _setup(config_path)
-    trainer = PolicyTrainer(engine.model, cfg.trainer, tok.pad_token_id)  # one model: generation sees each update
+    # one model: generation sees each update; no KL term, as in the plain loop
+    trainer = PolicyTrainer(engine.model, cfg.trainer.model_copy(update={"kl_coef": 0.0}), tok.pad_token_id)
     times = []
     for step in range(steps):
         t0 = time.perf_counter()
@@ -188,6 +191,7 @@ def flywheel(config_path: Path, steps: int) -> tuple[list[float], dict]:
                "--set", f"trainer.max_steps={steps}", "--set", "scheduler.eval_every=0",
                "--set", "scheduler.oversample=1.0",  # the loops generate exactly B groups per step
                "--set", "scheduler.resample_unsolved=0",  # ... and no extra groups for unsolved ones
+               "--set", "trainer.kl_coef=0",  # the reference loop has no KL term (no reference forward)
                "--set", "tasks.eval_size=0", "--set", "scheduler.eval_before_training=false",
                "--set", f"run.dir={tmp}/runs"]
         subprocess.run(cmd, check=True, cwd=tmp)
