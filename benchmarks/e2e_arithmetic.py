@@ -37,6 +37,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def reference_reward(ds, text: str, entry: dict) -> float:
+    """The reference reward: 1.0 when the last integer of ``text`` (commas removed) makes the
+    reasoning-gym dataset ``ds`` score ``entry`` exactly 1.0, else 0.0."""
+    nums = re.findall(r"-?\d+", text.replace(",", ""))
+    return float(bool(nums) and ds.score_answer(nums[-1], entry) == 1.0)
+
+
 def _setup(config_path: Path):
     import random
 
@@ -58,9 +65,8 @@ def _setup(config_path: Path):
     tasks = [Task(**t) for t in make_tasks(cfg.tasks) if t["split"] == "train"]
     ds = reasoning_gym.create_dataset(cfg.tasks.dataset, size=1, seed=0, **cfg.tasks.dataset_config)
 
-    def reward(text: str, task) -> float:  # the reference reward: last integer, scorer == 1.0
-        nums = re.findall(r"-?\d+", text.replace(",", ""))
-        return float(bool(nums) and ds.score_answer(nums[-1], task.verifier.entry) == 1.0)
+    def reward(text: str, task) -> float:
+        return reference_reward(ds, text, task.verifier.entry)
 
     return cfg, tok, engine, tasks, reward, random.Random(0)
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import re
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.e2e_arithmetic import _generate, _setup, plain_update  # noqa: E402
+from benchmarks.e2e_arithmetic import _generate, _setup, plain_update, reference_reward  # noqa: E402
 
 
 def main() -> None:
@@ -75,8 +74,7 @@ def main() -> None:
         out = engine.generate([GenerationRequest(encode_chat(tok, p), 1, greedy) for p, _ in items])
         right = neg = neg_right = 0
         for (_, entry), (s,) in zip(items, out):
-            nums = re.findall(r"-?\d+", tok.decode(s.completion_ids, skip_special_tokens=True).replace(",", ""))
-            ok = bool(nums) and scorer.score_answer(nums[-1], entry) == 1.0
+            ok = reference_reward(scorer, tok.decode(s.completion_ids, skip_special_tokens=True), entry) == 1.0
             is_neg = str(entry["answer"]).startswith("-")
             right, neg, neg_right = right + ok, neg + is_neg, neg_right + (ok and is_neg)
         return f"{right / len(items):.3f} ({neg_right}/{neg} negative)"

@@ -43,8 +43,8 @@ class SchedulerConfig(BaseModel):
     resample_unsolved: int = Field(0, ge=0, le=1024)
     """Samples of one extra group for a task whose training group came back unsolved: no sample
     passed and all rewards equal, so every advantage is 0 (0 = off). The extra group replaces it:
-    it is sent at once, at most once per original group, outside the issue budget (in flight like
-    any group), and the trainer sets the unsolved group aside instead of training it. A larger
+    it is sent on the sampler's next pass, at most once per original group, outside the issue
+    budget (in flight like any group), and the trainer sets the unsolved group aside. A larger
     group finds the rare correct answers of tasks the policy almost never solves, which plain
     K-sample GRPO never learns from: the adaptive per-task rollout budgets of Knapsack RL (Li et
     al. 2025, arXiv:2509.25849), reduced to one retry. With a per-sequence loss mean

@@ -265,6 +265,12 @@ class Reward(BaseModel):
     infra_error: bool = False
     """True when the reward could not be computed because of infrastructure (never a 0 reward)."""
 
+    @property
+    def passed(self) -> bool:
+        """A pass: total reward of at least 1.0 and no infrastructure error (``RewardEvent.passed``,
+        the pass rates, and the trainer's test for unsolved groups)."""
+        return self.total >= 1.0 and not self.infra_error
+
 
 class ScoredTrajectory(Record):
     """flywheel.scored, key group_id. Producer: verifier. Consumer: trainer."""

@@ -38,11 +38,10 @@ class Group:
 
     @property
     def unsolved(self) -> bool:
-        """No sample passed (reward total < 1.0, the verifier's ``passed``), none was an infrastructure
-        error, and all rewards are equal: the scheduler's test for re-sampling a group
-        (``Registry.record_reward`` with ``scheduler.resample_unsolved``)."""
-        rewards = [s.reward for s in self.samples.values()]
-        return self.zero_variance and all(r.total < 1.0 and not r.infra_error for r in rewards)
+        """No sample passed (:attr:`Reward.passed`), none was an infrastructure error, and all rewards
+        are equal: the scheduler's test for re-sampling a group (``Registry.record_reward`` with
+        ``scheduler.resample_unsolved``)."""
+        return self.zero_variance and not any(s.reward.passed or s.reward.infra_error for s in self.samples.values())
 
     @property
     def behaviour_version(self) -> int:

@@ -70,7 +70,7 @@ def reward_event(traj: Trajectory, reward: Reward) -> RewardEvent:
         task_id=t.task_id, group_id=traj.group_id, trajectory_id=traj.trajectory_id,
         sample_index=traj.sample_index, group_size=traj.group_size, domain=t.domain, difficulty=t.difficulty,
         purpose=traj.purpose, attempt=traj.attempt, eval_round=traj.eval_round, reward=reward.total,
-        passed=reward.total >= 1.0 and not reward.infra_error, infra_error=reward.infra_error,
+        passed=reward.passed, infra_error=reward.infra_error,
         misconfigured=bool(reward.infra_error and reward.details.get("misconfigured")),
         reason=str(reward.details.get("reason"))[:500] if reward.infra_error else None,
         completion_tokens=len(traj.completion_ids), finish_reason=traj.finish_reason,
@@ -123,7 +123,7 @@ async def _handle(
     counters.add("score_seconds_total", dt)
     if reward.infra_error:
         counters.add("infra_errors")
-    elif reward.total >= 1.0:
+    elif reward.passed:
         counters.add("passed")
     for name in reward.details.get("hacks", {}):
         counters.add(f"hack_{name}")  # reward-hacking detectors (verifier_service/hacks.py)
