@@ -112,6 +112,9 @@ class StatusPublic(BaseModel):
     issued_groups: int
     completed_groups: int
     abandoned_groups: int
+    dropped_groups: dict[str, int] = Field(default_factory=dict)
+    """Training groups the trainer reported dropped (flywheel.group_drops), per reason; each gave its
+    slot in the issue budget back."""
     samples_scored: int
     throughput_samples_per_s: float
     staleness: Staleness

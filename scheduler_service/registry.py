@@ -52,7 +52,8 @@ CREATE TABLE IF NOT EXISTS "groups" (
     deadline REAL,
     state TEXT NOT NULL CHECK (state IN ('pending', 'issued', 'complete', 'abandoned')),
     received INTEGER NOT NULL DEFAULT 0,
-    resample_of TEXT
+    resample_of TEXT,
+    dropped TEXT
 );
 CREATE INDEX IF NOT EXISTS groups_state ON "groups" (state, deadline);
 CREATE INDEX IF NOT EXISTS groups_round ON "groups" (eval_round);
@@ -150,12 +151,14 @@ class Registry:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
         cols = {r["name"] for r in self._db.execute('PRAGMA table_info("groups")')}
-        if "resample_of" not in cols:  # a registry written before unsolved groups were re-sampled
-            try:
-                self._db.execute('ALTER TABLE "groups" ADD COLUMN resample_of TEXT')
-            except sqlite3.OperationalError as e:  # another process added it first
-                if "duplicate column" not in str(e):
-                    raise
+        # columns a registry written by an earlier version lacks: re-samples, then the trainer's drops
+        for col in ("resample_of", "dropped"):
+            if col not in cols:
+                try:
+                    self._db.execute(f'ALTER TABLE "groups" ADD COLUMN {col} TEXT')
+                except sqlite3.OperationalError as e:  # another process added it first
+                    if "duplicate column" not in str(e):
+                        raise
 
     @classmethod
     def from_url(cls, database_url: str, run: RunConfig) -> "Registry":
@@ -333,11 +336,14 @@ class Registry:
         return out
 
     def train_group_counts(self) -> tuple[int, int]:
-        """``(issued, in_flight)`` training groups: issued counts every group not abandoned, except
-        re-samples of unsolved groups (extra groups, like oversampling); in flight counts them too."""
+        """``(issued, in_flight)`` training groups. ``issued`` counts the slots of the issue budget in
+        use: every group neither abandoned nor dropped by the trainer (:meth:`record_drop`), except
+        re-samples of unsolved groups (extra groups, like oversampling; each holds its original's
+        slot). ``in_flight`` counts every group still ``issued``, re-samples too, except those the trainer
+        already dropped (their records will never train, so a replacement need not wait for them)."""
         row = self._one(
-            "SELECT COALESCE(SUM(state != 'abandoned' AND resample_of IS NULL), 0) AS issued,"
-            " COALESCE(SUM(state = 'issued'), 0) AS fl FROM \"groups\" WHERE purpose = 'train'"
+            "SELECT COALESCE(SUM(state != 'abandoned' AND resample_of IS NULL AND dropped IS NULL), 0) AS issued,"
+            " COALESCE(SUM(state = 'issued' AND dropped IS NULL), 0) AS fl FROM \"groups\" WHERE purpose = 'train'"
         )
         return int(row["issued"]), int(row["fl"])
 
@@ -347,6 +353,40 @@ class Registry:
         for row in self._all('SELECT state, COUNT(*) AS c FROM "groups" GROUP BY state'):
             out[row["state"]] = row["c"]
         return out
+
+    def dropped_counts(self) -> dict[str, int]:
+        """Training groups the trainer dropped, per reason (``resample_<reason>``: the original of a
+        dropped re-sample, whose slot came back with it)."""
+        rows = self._all('SELECT dropped, COUNT(*) AS c FROM "groups" WHERE dropped IS NOT NULL GROUP BY dropped')
+        return {r["dropped"]: int(r["c"]) for r in rows}
+
+    def record_drop(self, group_id: str, reason: str) -> str | None:
+        """Record that the trainer will never train ``group_id`` (a ``GroupDropped``), in one transaction.
+
+        The group's slot in the issue budget comes back (:meth:`train_group_counts`), except for a
+        group ``superseded_unsolved`` by a re-sample that was written (the re-sample holds the slot).
+        A dropped re-sample gives its original's slot back. A dropped group still in flight is
+        never re-issued (:meth:`expire_groups`). Idempotent: a repeated notice, or one for a group
+        that is unknown, not a training group or already dropped, changes nothing.
+
+        Returns:
+            The id of the group whose slot came back (``group_id`` or, for a re-sample, its
+            original), or ``None`` when nothing changed.
+        """
+        with self._tx() as db:
+            g = db.execute('SELECT * FROM "groups" WHERE group_id = ?', (group_id,)).fetchone()
+            if g is None or g["purpose"] != "train" or g["dropped"] is not None:
+                return None
+            if reason == "superseded_unsolved" and db.execute(
+                'SELECT 1 FROM "groups" WHERE resample_of = ?', (group_id,)
+            ).fetchone():
+                return None  # set aside for its re-sample, which trains in its place
+            db.execute('UPDATE "groups" SET dropped = ? WHERE group_id = ?', (reason, group_id))
+            if g["resample_of"] is None:
+                return group_id
+            cur = db.execute('UPDATE "groups" SET dropped = ? WHERE group_id = ? AND dropped IS NULL',
+                             (f"resample_{reason}", g["resample_of"]))
+            return g["resample_of"] if cur.rowcount else None
 
     def get_group(self, group_id: str) -> dict[str, Any] | None:
         """The row of one group (``None`` when unknown)."""
@@ -375,7 +415,8 @@ class Registry:
             return [self._issued(db, r) for r in rows]
 
     def expire_groups(self, deadline_s: float, max_attempts: int) -> tuple[list[IssuedGroup], list[str]]:
-        """Handle issued groups past their deadline: re-issue (attempt + 1) or abandon.
+        """Handle issued groups past their deadline: re-issue (attempt + 1) or abandon (also, silently,
+        groups the trainer has dropped: their slot is already back).
 
         Returns:
             ``(reissued, abandoned_ids)``; re-issued rows already carry the new attempt and deadline.
@@ -387,6 +428,9 @@ class Registry:
                 'SELECT * FROM "groups" WHERE state = \'issued\' AND deadline < ? ORDER BY deadline', (now,)
             ).fetchall()
             for r in rows:
+                if r["dropped"] is not None:  # the trainer skips its records: nothing to wait for
+                    db.execute('UPDATE "groups" SET state = \'abandoned\' WHERE group_id = ?', (r["group_id"],))
+                    continue
                 if r["attempt"] >= max_attempts:
                     db.execute('UPDATE "groups" SET state = \'abandoned\' WHERE group_id = ?', (r["group_id"],))
                     abandoned.append(r["group_id"])
@@ -451,7 +495,8 @@ class Registry:
                 db.execute("UPDATE tasks SET samples = samples + 1, passes = passes + ? WHERE task_id = ?",
                            (int(ev.passed), ev.task_id))
             resample = None
-            if completed and resample_n > g["n"] and g["purpose"] == "train" and g["resample_of"] is None:
+            if (completed and resample_n > g["n"] and g["purpose"] == "train" and g["resample_of"] is None
+                    and g["dropped"] is None):  # a dropped group's slot was already given to a new group
                 resample = self._resample_unsolved(db, g, resample_n)
             return RewardOutcome(True, True, scored, completed, resample)
 

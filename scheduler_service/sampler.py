@@ -7,10 +7,12 @@ Three loops in one asyncio task group, each stopping within about one poll inter
   automatic eval rounds, send pending eval groups, then issue new training groups while the
   budget allows (AReaL-style, DESIGN.md "Policy versions and staleness"): with policy version
   v, batch B and max staleness η, at most ``min(v + η + 1, max_steps) * B`` training groups
-  issued in total (abandoned ones give their slot back; re-issues are not new) and at most
+  issued in total (abandoned and dropped ones give their slot back; re-issues are not new) and at most
   ``(η + 1) * B`` in flight. Every group row is written to SQLite before its request is sent.
-- ``rewards``: flywheel.rewards in the consumer group ``scheduler.consumer_group``; malformed
-  records go to the DLQ; each event is counted once; offsets are committed after SQLite.
+- ``rewards``: flywheel.rewards and flywheel.group_drops in the consumer group
+  ``scheduler.consumer_group``; malformed records go to the DLQ; each event is counted once; a
+  group the trainer dropped (stale, failed, ...) gives its budget slot back at once, so the issue
+  loop sends a replacement and the run still reaches ``max_steps``; offsets are committed after SQLite.
 - ``watch``: flywheel.weights and flywheel.metrics without a group, from the earliest offset:
   the highest weight version is the policy version; trainer metrics feed the history.
 
@@ -34,7 +36,7 @@ from aiokafka import AIOKafkaConsumer
 
 from shared import topics
 from shared.kafka import commit_batch, decode_or_dead_letter, make_consumer, send
-from shared.schemas import Metrics, RewardEvent, RolloutRequest, SamplingParams, WeightUpdate
+from shared.schemas import GroupDropped, Metrics, RewardEvent, RolloutRequest, SamplingParams, WeightUpdate
 
 from scheduler_service.registry import IssuedGroup
 
@@ -177,6 +179,8 @@ class Sampler:
 
     async def _issue_training(self) -> None:
         tc = self.cfg.trainer
+        if self.registry.policy_version >= tc.max_steps:
+            return  # the trainer is done: a slot given back now would only generate waste
         issued, in_flight = self.registry.train_group_counts()
         per_step = math.ceil(tc.batch_groups * self.cfg.scheduler.oversample)
         budget = training_budget(self.registry.policy_version, per_step, tc.max_staleness, tc.max_steps,
@@ -259,9 +263,25 @@ class Sampler:
             await consumer.stop()
 
     async def _rewards_loop(self) -> None:
-        consumer = make_consumer(self.cfg.kafka, topics.REWARDS, group_id=self.cfg.scheduler.consumer_group,
-                                 client_id="scheduler-rewards")
-        await self._consume(consumer, self._on_reward, commit=True)
+        consumer = make_consumer(self.cfg.kafka, topics.REWARDS, topics.GROUP_DROPS,
+                                 group_id=self.cfg.scheduler.consumer_group, client_id="scheduler-rewards")
+        await self._consume(consumer, self._on_outcome, commit=True)
+
+    async def _on_outcome(self, msg) -> None:
+        if msg.topic == topics.GROUP_DROPS:
+            await self._on_drop(msg)
+        else:
+            await self._on_reward(msg)
+
+    async def _on_drop(self, msg) -> None:
+        ev = await decode_or_dead_letter(self.state.producer, msg, GroupDropped, self.name)
+        if ev is None:
+            return
+        freed = self.registry.record_drop(ev.group_id, ev.reason)
+        if freed is not None:
+            log.warning("trainer dropped group %s (%s, behaviour version %s at policy version %d): its slot is "
+                        "given back and a new group will be issued", ev.group_id, ev.reason, ev.behaviour_version,
+                        ev.policy_version)
 
     async def _on_reward(self, msg) -> None:
         ev = await decode_or_dead_letter(self.state.producer, msg, RewardEvent, self.name)

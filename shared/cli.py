@@ -110,14 +110,16 @@ def run(
     set_: SetOpt = None,
     run_dir: RunDirOpt = None,
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 3600.0,
+    submit: Annotated[Optional[Path], typer.Option(help="Also submit this JSONL task file.")] = None,
 ) -> None:
     """Train end to end: start everything, submit the config's tasks, train, evaluate before/after, stop."""
     logging.basicConfig(level=logging.WARNING)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the services too, not only Ctrl-C
     t0 = time.monotonic()
+    extra = _read_jsonl(submit) if submit else []
     system, cfg = _start(config, set_, run_dir, fresh=True)
     try:
-        result = _train(system, cfg, t0, timeout)
+        result = _train(system, cfg, t0, timeout, extra)
     finally:
         _stop(system)
     before, after = result["eval"]["before"], result["eval"]["after"]
@@ -136,9 +138,9 @@ def _fmt(ev: dict | None) -> str:
     return "n/a" if not ev or ev.get("accuracy") is None else f"{ev['accuracy']:.3f} (n={ev['n']})"
 
 
-def _train(system: LocalSystem, cfg, t0: float, timeout_s: float) -> dict:
+def _train(system: LocalSystem, cfg, t0: float, timeout_s: float, extra: list[dict] = ()) -> dict:
     url = system.scheduler_url
-    tasks = make_tasks(cfg.tasks)
+    tasks = make_tasks(cfg.tasks) + list(extra)
     submit_tasks(url, tasks)
     n_eval = sum(t["split"] == "eval" for t in tasks)
     max_steps = cfg.trainer.max_steps
@@ -159,9 +161,11 @@ def _train(system: LocalSystem, cfg, t0: float, timeout_s: float) -> dict:
                                            f"{ev.get('policy_versions')}: accuracy {ev['accuracy']:.3f} (n={ev['n']})")
             tr = st.get("trainer") or {}
             last_eval = max(eval_rows.values(), key=lambda e: e["eval_round"])["accuracy"] if eval_rows else None
+            dropped = sum((st.get("dropped_groups") or {}).values())
             info = (f"v{st['policy_version']} reward {tr.get('train/reward_mean', float('nan')):.2f} "
                     f"pass {st.get('train_reward_mean') or 0:.2f} stale {st['staleness']['mean'] or 0:.2f} "
                     f"eval {'-' if last_eval is None else f'{last_eval:.2f}'} in-flight {st['in_flight_groups']} "
+                    f"dropped {dropped} "
                     f"kl {tr.get('loss/kl_behaviour', 0.0):.3f} ent {tr.get('loss/entropy', 0.0):.2f} "
                     f"clip {tr.get('loss/clip_frac', 0.0):.2f} gnorm {tr.get('train/grad_norm', 0.0):.1f}")
             progress.update(bar, completed=min(st["policy_version"], max_steps), info=info)
@@ -200,6 +204,7 @@ def _train(system: LocalSystem, cfg, t0: float, timeout_s: float) -> dict:
                  f"{cfg.trainer.batch_groups} groups x {cfg.tasks.samples_per_task} samples, eta={cfg.trainer.max_staleness}",
         "eval": {"before": ev(before), "after": ev(after)},
         "steps": max((h["step"] for h in history), default=0),
+        "dropped_groups": httpx.get(f"{url}/v1/status", timeout=10).json().get("dropped_groups", {}),
         "wall_seconds": wall,
         "history": [{"step": h["step"], "policy_version": h["policy_version"],
                      "mean_reward": h["values"].get("train/reward_mean"), "time": h["time"], **h["values"]}

@@ -349,6 +349,37 @@ class Metrics(Record):
     time: float = Field(default_factory=time.time)
 
 
+DropReason = Literal["stale", "failed", "superseded_unsolved", "domain_paused", "circuit_open"]
+"""Why the trainer did not train a complete (or failed) group: see :class:`GroupDropped`."""
+
+
+class GroupDropped(Record):
+    """flywheel.group_drops, key group_id. Producer: trainer. Consumers: scheduler, analytics.
+
+    One record per training group the trainer will never train, sent (and acknowledged) before the
+    trainer commits the group's offsets on flywheel.scored, so no drop is lost to a crash; a
+    redelivery may send it twice (consumers are idempotent by ``group_id``). The scheduler gives the
+    group's slot in its issue budget back, so the run still reaches ``max_steps``:
+
+    - ``stale``: its oldest token is more than η versions behind the trainer (``behaviour_version``).
+    - ``failed``: a sample was an infrastructure error or its generation failed or was aborted.
+    - ``superseded_unsolved``: an unsolved group set aside for its larger re-sample
+      (``scheduler.resample_unsolved``); the slot comes back only if no re-sample was written.
+    - ``domain_paused``, ``circuit_open``: the domain stopped training while the group was in flight.
+    """
+
+    SCHEMA: ClassVar[str] = "flywheel.GroupDropped"
+    group_id: str
+    reason: DropReason
+    policy_version: int = Field(ge=0)
+    """The trainer's policy version when it dropped the group."""
+    behaviour_version: int | None = Field(None, ge=0)
+    """Oldest policy version that produced a token of the group (``None`` when no sample had one)."""
+    samples: int = Field(0, ge=0)
+    """Samples of the group the trainer had received."""
+    time: float = Field(default_factory=time.time)
+
+
 class Alert(Record):
     """flywheel.alerts, key source. Producer: any service. Consumers: analytics, scheduler."""
 

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shared.verifier_specs import Recipe, TruncationRule
+
 
 class DomainSource(BaseModel):
     """One shipped domain of a ``mixture`` (``shared.domains``): how many tasks of each split, and the
@@ -53,6 +55,11 @@ class TaskSourceConfig(BaseModel):
     """``mixture``: the shipped domains to submit; the scheduler samples them like any tasks."""
     toy_pattern: str = "^[a-z]"
     """Regex the completion must match in the ``toy_prefix`` domain (default: starts with a lowercase letter)."""
+    recipe: Recipe | None = Field(default_factory=lambda: Recipe(rules=[TruncationRule()], gates=["truncation"]))
+    """Verifier recipe every ``reasoning_gym`` and ``toy_prefix`` task carries. Default: a completion cut off
+    at the token budget (finish_reason ``length``) earns 0. ``null``: none, so cut-off answers are scored
+    like any other (the verifier service's recipe for the domain applies). ``mixture`` domains take
+    theirs from ``domains[].params.recipe`` (``shared.domains``)."""
     seed: int = 0
     """Seed of the generator."""
 
@@ -65,6 +72,8 @@ def _task(task_id: str, domain: str, question: str, verifier: dict, cfg: TaskSou
           difficulty: float = 0.0, metadata: dict | None = None) -> dict:
     prompt = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []) + [
         {"role": "user", "content": question}]
+    if cfg.recipe is not None:
+        verifier = {**verifier, "recipe": cfg.recipe.model_dump(mode="json", exclude_none=True)}
     return {"task_id": task_id, "domain": domain, "prompt": prompt, "verifier": verifier,
             "samples_per_task": cfg.samples_per_task, "difficulty": difficulty, "split": split,
             "metadata": metadata or {}}

@@ -7,13 +7,14 @@ SCORED = "flywheel.scored"
 REWARDS = "flywheel.rewards"
 WEIGHTS = "flywheel.weights"
 METRICS = "flywheel.metrics"
+GROUP_DROPS = "flywheel.group_drops"
 ALERTS = "flywheel.alerts"
 CONTROL = "flywheel.control"
 DLQ = "flywheel.dlq"
 
 #: Topics whose partition count follows ``kafka.partitions`` (keyed by group_id).
 PARTITIONED = (ROLLOUT_REQUESTS, TRAJECTORIES, SCORED)
-ALL = (TASKS, ROLLOUT_REQUESTS, TRAJECTORIES, SCORED, REWARDS, WEIGHTS, METRICS, ALERTS, CONTROL, DLQ)
+ALL = (TASKS, ROLLOUT_REQUESTS, TRAJECTORIES, SCORED, REWARDS, WEIGHTS, METRICS, GROUP_DROPS, ALERTS, CONTROL, DLQ)
 
 
 def partitions_for(topic: str, partitions: int) -> int:

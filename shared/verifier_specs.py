@@ -143,8 +143,9 @@ class Recipe(BaseModel):
 
     ``total = 0`` when any gate component is below 1 (the gate failed), else
     ``Σ_c w_c · component_c / Σ_c w_c`` over the weighted components that were computed.
-    A detected reward hack is flagged in the details and counted; with ``hack_policy: zero`` it also
-    sets the total to 0.
+    A detected reward hack (``verifier_service.hacks``: hedging, test tampering, instructions to the
+    judge, degenerate repetition) is flagged in the details and counted, and under the default
+    ``hack_policy: zero`` sets the total to 0; ``flag`` only reports it.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -154,7 +155,8 @@ class Recipe(BaseModel):
     """Components that must be exactly 1 (e.g. ``format``, ``safety``)."""
     weights: dict[str, float] = Field(default_factory=lambda: {"correctness": 1.0})
     """Weight per component (≥ 0, at least one > 0)."""
-    hack_policy: Literal["flag", "zero"] = "flag"
+    hack_policy: Literal["flag", "zero"] = "zero"
+    """``zero``: a detected reward hack makes the total 0; ``flag``: it is only reported and counted."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "Recipe":
@@ -211,11 +213,46 @@ class ReasoningGymSpec(_Spec):
 
 
 class MathSpec(_Spec):
-    """Math answer equivalence with math-verify (run in a process pool with our own time bound)."""
+    """Math answer equivalence with math-verify (run in a process pool with our own time bound).
+
+    The gold is read whole, once: a plain gold (no ``$``, ``\\(``, ``\\[``, ``\\boxed``) as one
+    expression (``(1, 2)`` is a tuple, not 2), a delimited one the way math-verify reads an answer.
+    A gold that does not parse, or parses to only part of itself, is a misconfigured task
+    (``infra_error`` with ``details.misconfigured``), never a 0 for the model. The options below are
+    math-verify's own (``parse``'s extraction configs, ``verify``'s keyword arguments); the defaults
+    are those of math-verify's test-suite helper and keep the behaviour of tasks written without them.
+    """
 
     kind: Literal["math"] = "math"
     answer: str
     """Gold answer (LaTeX or plain)."""
+    extraction: list[Literal["latex", "expr"]] = Field(default_factory=lambda: ["latex", "expr"], min_length=1,
+                                                       max_length=2)
+    """math-verify extraction targets for the model answer: ``latex`` (``LatexExtractionConfig``: ``$…$``,
+    ``\\(…\\)``, ``\\[…\\]``, ``\\boxed{}``; also plain-text math such as ``2pi`` or ``3*sqrt(2)``, which we
+    rewrite as LaTeX) and ``expr`` (``ExprExtractionConfig``: plain numbers and fractions; also our
+    word-bounded last-number fallback). ``["latex"]`` alone ignores numbers written outside LaTeX."""
+    boxed_match_priority: int = Field(0, ge=-1, le=1000)
+    """``LatexExtractionConfig.boxed_match_priority``: 0 reads ``\\boxed{}`` before any other LaTeX (a
+    "final answer is $x$. I hope" sentence, same priority, still wins when it comes last); math-verify's
+    own default is 50; -1 never reads boxes (nor does our box fallback)."""
+    float_rounding: int = Field(6, ge=0, le=20)
+    """``verify(float_rounding=…)``: decimal places floats are rounded to before comparing."""
+    numeric_precision: int = Field(15, ge=1, le=100)
+    """``verify(numeric_precision=…)``: significant digits of numeric evaluation (``evalf``)."""
+    strict: bool = True
+    """``verify(strict=…)``: False lets variables differ (``f(x)`` equals ``f(y)``) and relaxes other
+    structural checks."""
+    allow_set_relation_comp: bool = False
+    """``verify(allow_set_relation_comp=…)``: True lets a gold set or interval (``x \\in [-2, 7]``) match an
+    answer written as relations (``-2 \\le x \\le 7``); the reverse direction is always allowed."""
+
+    @field_validator("extraction")
+    @classmethod
+    def _distinct_targets(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"extraction targets repeat: {v}")
+        return v
 
 
 class NamedTest(BaseModel):

@@ -10,11 +10,13 @@ class TrainerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    loss: Literal["grpo", "dr_grpo", "dapo", "rloo", "gspo"] = "grpo"
-    """Loss family (``trainer_service/losses/``): ``grpo`` (group mean/std advantages, PPO clip),
+    loss: Literal["grpo", "bnpo", "dr_grpo", "dapo", "rloo", "gspo"] = "grpo"
+    """Loss family (``trainer_service/losses/``; each means TRL's ``loss_type`` of that name, the table
+    in ``losses/__init__.py`` gives the verl settings): ``grpo`` (group mean/std advantages, PPO clip,
+    mean per sequence then over sequences), ``bnpo`` (the same, mean over the batch's tokens),
     ``dr_grpo`` (no std division, token sum over a constant L_max), ``dapo`` (clip-higher 0.28,
     token mean; pair it with ``scheduler.oversample`` for dynamic sampling and ``truncation: penalise``
-    for overlong shaping), ``rloo`` (leave-one-out baseline), ``gspo`` (sequence-level ratio)."""
+    for overlong shaping), ``rloo`` (leave-one-out baseline, token mean), ``gspo`` (sequence-level ratio)."""
     batch_groups: int = Field(4, ge=1, le=4096)
     """Complete groups per optimizer step (the batch)."""
     max_staleness: int = Field(1, ge=0, le=1000)
@@ -41,8 +43,8 @@ class TrainerConfig(BaseModel):
     clip_eps_high: float | None = Field(None, gt=0, le=10.0)
     """ε_high; ``None`` = the loss's default (= ε_low; DAPO 0.28; GSPO 4e-4)."""
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] | None = None
-    """Aggregation (``losses/grpo.py``); ``None`` = the loss's default (token_mean; Dr. GRPO
-    seq_mean_token_sum; GSPO always averages sequences)."""
+    """Aggregation (``losses/grpo.py``); ``None`` = the loss's default (grpo seq_mean_token_mean; bnpo,
+    dapo, rloo token_mean; dr_grpo seq_mean_token_sum; GSPO always averages sequences)."""
     max_response_tokens: int = Field(1024, ge=1)
     """L_max: the generation budget used by Dr. GRPO's constant normaliser."""
     adv_eps: float = Field(1e-4, gt=0)
@@ -56,7 +58,8 @@ class TrainerConfig(BaseModel):
     kl_coef: float = Field(0.0, ge=0.0)
     """β of the KL to the frozen base model (0 = off, and no reference model is kept)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator (``losses/kl.py``); every one contributes the gradient of KL(π_θ ‖ π_ref)."""
+    """KL estimator (``losses/kl.py``); every one contributes the gradient of KL(π_θ ‖ π_ref), importance-
+    weighted by π_θ/π_behaviour for samples of older policies (TRL's ``use_bias_correction_kl``)."""
     truncation: Literal["mask", "penalise", "keep"] = "mask"
     """Samples cut at the token budget (finish_reason ``length``): ``mask`` (their tokens train
     nothing; they still count in their group's advantages; DAPO's overlong filtering), ``penalise``

@@ -1,8 +1,9 @@
 """Assembling complete groups from flywheel.scored, with staleness control and commit offsets.
 
-Pure bookkeeping, no Kafka or torch: the service feeds records in and asks which groups are ready
-and which offset per partition is safe to commit (the oldest record not yet trained or dropped,
-DESIGN.md "Delivery semantics").
+Pure bookkeeping, no Kafka or torch: the service feeds records in and asks which groups are ready,
+which groups were dropped since it last asked (:meth:`GroupBuffer.take_drops`: each is announced on
+flywheel.group_drops so the scheduler gives its slot back) and which offset per partition is safe to
+commit (the oldest record not yet trained or dropped, DESIGN.md "Delivery semantics").
 """
 
 from __future__ import annotations
@@ -13,6 +14,19 @@ from dataclasses import dataclass, field
 from shared.schemas import ScoredTrajectory
 
 Partition = tuple[str, int]  # (topic, partition)
+
+DROP_REASONS = {"dropped_stale": "stale", "dropped_failed": "failed", "superseded_unsolved": "superseded_unsolved"}
+"""Counter name of each way a group leaves the buffer untrained -> ``GroupDropped.reason``."""
+
+
+@dataclass(frozen=True)
+class Drop:
+    """A group the trainer will never train: what :class:`shared.schemas.GroupDropped` reports."""
+
+    group_id: str
+    reason: str
+    behaviour_version: int | None
+    samples: int
 
 
 @dataclass
@@ -73,6 +87,7 @@ class GroupBuffer:
         self.counters: Counter[str] = Counter()
         self._pending: dict[Partition, dict[int, str]] = {}  # offset -> group_id, per partition
         self._next: dict[Partition, int] = {}  # highest offset seen + 1
+        self._drops: list[Drop] = []  # dropped since the last take_drops()
 
     # ------------------------------------------------------------------ intake
     def add(self, scored: ScoredTrajectory | None, tp: Partition, offset: int) -> None:
@@ -140,8 +155,29 @@ class GroupBuffer:
             self.in_flight.discard(g.group_id)
             self._finish(g, "trained_groups")
 
+    def take_drops(self) -> list[Drop]:
+        """The groups dropped (stale, failed, superseded) since the last call, oldest first; clears them.
+
+        The caller must have them acknowledged on flywheel.group_drops before it commits
+        :meth:`commit_offsets` (which already releases their records), or a crash loses the notice.
+        """
+        out, self._drops = self._drops, []
+        return out
+
+    def return_drops(self, drops: list[Drop]) -> None:
+        """Put back drops that could not be announced (they come first in the next :meth:`take_drops`)."""
+        self._drops[:0] = drops
+
+    @property
+    def has_drops(self) -> bool:
+        """Whether :meth:`take_drops` has something to return."""
+        return bool(self._drops)
+
     def _finish(self, g: Group, counter: str) -> None:
         self.counters[counter] += 1
+        if counter in DROP_REASONS:
+            bv = g.behaviour_version if g.samples else None
+            self._drops.append(Drop(g.group_id, DROP_REASONS[counter], bv, len(g.samples)))
         self.done_groups.add(g.group_id)
         for tp, off in g.offsets:
             self._pending.get(tp, {}).pop(off, None)

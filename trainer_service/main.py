@@ -1,7 +1,8 @@
 """Trainer service: consume scored trajectories, step on complete groups, publish weight versions.
 
-Loop: ``getmany`` → buffer records into groups → (drop stale) → when ``batch_groups`` groups are
-ready, one optimizer step in a worker thread → snapshot weights and state → (in the background,
+Loop: ``getmany`` → buffer records into groups → (drop stale) → announce every group dropped
+(stale, failed, superseded) on flywheel.group_drops and wait for the acks, so the scheduler gives
+its slot back → when ``batch_groups`` groups are ready, one optimizer step in a worker thread → snapshot weights and state → (in the background,
 in version order) write the version's weights, announce it on flywheel.weights, write the trainer
 state, send the step's metrics on flywheel.metrics, and only then release the trained groups' offsets →
 commit, per partition, the oldest offset not yet trained-and-durable or dropped.
@@ -26,7 +27,7 @@ from shared import kafka, topics
 from shared.checkpoint import CheckpointStore, load_weights, snapshot_weights
 from shared.config import FlywheelConfig
 from shared.model import load_model, load_tokenizer, resolve_model_dir
-from shared.schemas import Metrics, ScoredTrajectory
+from shared.schemas import GroupDropped, Metrics, ScoredTrajectory
 from trainer_service.groups import GroupBuffer
 from trainer_service.trainer import PolicyTrainer
 
@@ -102,6 +103,9 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
                     buffer.add(scored, (tp.topic, tp.partition), msg.offset)
             if trainer.version < cfg.max_steps:
                 buffer.drop_stale(trainer.version)
+            if buffer.has_drops:
+                await _announce_drops(producer, buffer, trainer.version)
+            if trainer.version < cfg.max_steps:
                 if len(buffer.ready) >= cfg.batch_groups:
                     wait_s = time.perf_counter() - last_step_end
                     publishing = await _step(config, trainer, store, buffer, producer, wait_s, publishing,
@@ -114,18 +118,45 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
             if publishing is not None and publishing.done():
                 publishing.result()  # surface a failed save or send
             offsets = {TopicPartition(t, p): o for (t, p), o in buffer.commit_offsets().items()}
-            if offsets:
+            if offsets and not buffer.has_drops:  # a drop not yet acknowledged keeps its records uncommitted
                 await consumer.commit(offsets)
         if publishing is not None:  # graceful stop: finish announcing what was trained
             await asyncio.wait_for(publishing, timeout=120)
             offsets = {TopicPartition(t, p): o for (t, p), o in buffer.commit_offsets().items()}
-            if offsets:
+            if offsets and not buffer.has_drops:
                 await consumer.commit(offsets)
     except asyncio.CancelledError:
         raise
     finally:
         await asyncio.wait_for(_close(consumer, producer), timeout=15)
         log.info("trainer stopped at policy version %d", trainer.version)
+
+
+async def _announce_drops(producer, buffer: GroupBuffer, version: int) -> None:
+    """Send a :class:`GroupDropped` for each group dropped since the last call and wait for the acks.
+
+    Logged as it happens (the step whose metrics would count it may never come). On a send failure
+    the drops go back to the buffer and are retried on the next pass; until then nothing is committed.
+    """
+    drops = buffer.take_drops()
+    try:
+        futs = []
+        for d in drops:
+            rec = GroupDropped(group_id=d.group_id, reason=d.reason, policy_version=version,
+                               behaviour_version=d.behaviour_version, samples=d.samples)
+            futs.append(await kafka.send(producer, topics.GROUP_DROPS, rec, d.group_id))
+        await asyncio.gather(*futs)
+    except asyncio.CancelledError:
+        buffer.return_drops(drops)
+        raise
+    except Exception as e:  # noqa: BLE001 - broker trouble: keep the notices, retry on the next pass
+        buffer.return_drops(drops)
+        log.warning("announcing %d dropped groups failed (%r); retrying", len(drops), e)
+        await asyncio.sleep(0.5)
+        return
+    for d in drops:
+        log.info("dropped group %s (%s; behaviour version %s, policy version %d, %d samples): slot returned to the "
+                 "scheduler", d.group_id, d.reason, d.behaviour_version, version, d.samples)
 
 
 async def _step(config: FlywheelConfig, trainer: PolicyTrainer, store: CheckpointStore, buffer: GroupBuffer,

@@ -3,7 +3,8 @@
 A step reads top to bottom in named phases: truncation policy → advantages (``losses/advantages.py``)
 → micro-batched forward and backward (gradients accumulate, normalised by the whole batch's token or
 sequence count; rows whose advantage is exactly 0 are skipped when there is no KL term, since their
-loss and gradient are exactly 0) → KL to the reference (optional) → clip → AdamW step → LR schedule.
+loss and gradient are exactly 0) → KL to the reference (optional; importance-weighted to the behaviour
+policy under staleness) → clip → AdamW step → LR schedule.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from trainer_service.groups import Group
 from trainer_service.losses import resolve_loss
 from trainer_service.losses.advantages import group_advantages
 from trainer_service.losses.grpo import aggregate, batch_normalizer
-from trainer_service.losses.kl import kl_term, kl_value
+from trainer_service.losses.kl import kl_importance_weight, kl_term, kl_value
 
 
 @dataclass
@@ -196,7 +197,8 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {"loss/pg": 0.0, "loss/kl_ref": 0.0, "loss/clip_frac_sum": 0.0,
                                   "loss/kl_behaviour_sum": 0.0, "loss/ratio_sum": 0.0, "loss/is_weight_sum": 0.0,
-                                  "loss/is_truncated_sum": 0.0, "loss/entropy_sum": 0.0, "loss/kl_ref_sum": 0.0}
+                                  "loss/is_truncated_sum": 0.0, "loss/entropy_sum": 0.0, "loss/kl_ref_sum": 0.0,
+                                  "loss/kl_ref_weight_sum": 0.0}
         mb = self.cfg.micro_batch_size
         for i in range(0, len(live_rows), mb):
             batch = collate(live_rows[i:i + mb], self.pad_id)
@@ -207,12 +209,7 @@ class PolicyTrainer:
             sums["loss/pg"] += float(loss.detach())
             mask = batch.loss_mask
             if self.ref_model is not None:
-                with torch.no_grad():
-                    ref = completion_logprobs(self.ref_model, batch, self.cfg.autocast_bf16)
-                kl = aggregate(kl_term(logprobs, ref, self.cfg.kl_estimator), mask, normalizer, self.loss_cfg.loss_agg)
-                loss = loss + self.cfg.kl_coef * kl
-                sums["loss/kl_ref"] += float(kl.detach())
-                sums["loss/kl_ref_sum"] += float((kl_value(logprobs.detach(), ref, self.cfg.kl_estimator) * mask).sum())
+                loss = loss + self.cfg.kl_coef * self._kl_to_reference(logprobs, batch, normalizer, sums)
             loss.backward()
             sums["loss/entropy_sum"] += float((ent[0] * mask).sum())
             for k, v in m.items():
@@ -264,7 +261,26 @@ class PolicyTrainer:
         if self.ref_model is not None:
             metrics["loss/kl_ref"] = sums["loss/kl_ref"]
             metrics["loss/kl_ref_mean"] = sums["loss/kl_ref_sum"] / live_tokens
+            metrics["loss/kl_ref_weight_mean"] = sums["loss/kl_ref_weight_sum"] / live_tokens if live_rows else 1.0
         return metrics
+
+    def _kl_to_reference(self, logprobs: torch.Tensor, batch: Batch, normalizer: float,
+                         sums: dict[str, float]) -> torch.Tensor:
+        """The KL term of one micro-batch (scalar, aggregated like the surrogate), adding its metrics to ``sums``.
+
+        Its samples come from the behaviour policy, so every token is weighted by π_θ/π_behaviour (1
+        on-policy; ``losses/kl.py``); ``loss/kl_ref_sum`` is the weighted estimate of KL(π_θ ‖ π_ref).
+        """
+        with torch.no_grad():
+            ref = completion_logprobs(self.ref_model, batch, self.cfg.autocast_bf16)
+        mask = batch.loss_mask
+        weight = kl_importance_weight(logprobs, batch.behaviour_logprobs, mask)
+        kl = aggregate(kl_term(logprobs, ref, self.cfg.kl_estimator, weight), mask, normalizer, self.loss_cfg.loss_agg)
+        sums["loss/kl_ref"] += float(kl.detach())
+        value = kl_value(logprobs.detach(), ref, self.cfg.kl_estimator)
+        sums["loss/kl_ref_sum"] += float((weight * value * mask).sum())
+        sums["loss/kl_ref_weight_sum"] += float((weight * mask).sum())
+        return kl
 
     def _advantages(self, groups: list[Group]) -> tuple[list[ScoredTrajectory], torch.Tensor, int, list[bool]]:
         """Rows, their advantages ``[N]`` float32, the count of zero-variance groups, and whether each row trains."""

@@ -31,6 +31,20 @@ def extract_last_number(text: str) -> str | None:
     return matches[-1].replace(",", "") if matches else None
 
 
+# The same number standing as a word: no letter, digit, "_" or "." right before it, and no word
+# character (nor "."/"," then one) right after, so "AZYUK2A", "x2", "2nd", "5x" and "12cm" hold none.
+_WORD_NUMBER = re.compile(r"(?<![\w.])(?:(?<![\w)\]}.])-)?\d(?:[\d,]*\d)?(?:\.\d+)?(?![.,]?\w)")
+
+
+def extract_last_word_number(text: str) -> str | None:
+    """Last number of ``text`` that stands as a word (see ``_WORD_NUMBER``), thousands commas removed, or None.
+
+    ``"so x = -3."`` gives ``"-3"``; ``"AZYUK2A"`` and ``"the 2nd"`` give None.
+    """
+    matches = _WORD_NUMBER.findall(text)
+    return matches[-1].replace(",", "") if matches else None
+
+
 def answer_tag_spans(text: str) -> list[tuple[int, int]]:
     """(start, end) of the contents of every ``<answer>…</answer>`` in ``text`` in order (case-insensitive
     tags; an opening tag without a closing one is ignored). Linear time."""
@@ -110,6 +124,91 @@ def strip_reasoning(text: str) -> str:
     body = text[close + len(_THINK_CLOSE):] if close >= 0 else text
     open_ = body.find("<think>")
     return body[:open_] if open_ >= 0 else body
+
+
+# ---------------------------------------------------------------- plain-text math (as a person types it)
+
+_MATH_REGION = re.compile(r"\$\$.*?\$\$|\$.*?\$|\\\(.*?\\\)|\\\[.*?\\\]", re.DOTALL)
+_SYMBOLIC = r"(?<![A-Za-z\\])(?:pi|sqrt|infinity)(?![A-Za-z])|[π√∞]"
+# A run of numbers, operators and brackets on one line, with symbolic words (kept if it holds one).
+_PLAIN_TOKEN = rf"(?:\d+(?:\.\d+)?|{_SYMBOLIC}|\*\*|[-+*/^×·(),]|[ \t])"
+_PLAIN_RUN = re.compile(rf"{_PLAIN_TOKEN}+")
+_HAS_SYMBOLIC = re.compile(_SYMBOLIC)
+_LEAD, _TRAIL = " \t,+*/^×·", " \t,+*/^×·-"  # trimmed from a span's ends (a leading "-" is a sign)
+_SQRT_CALL = re.compile(r"(?:(?<![A-Za-z\\])sqrt|√)\s*\(")
+_SQRT_ATOM = re.compile(r"√\s*(\d+(?:\.\d+)?|\\pi|[A-Za-z])")
+_WORDS = [(re.compile(r"(?<![A-Za-z\\])pi(?![A-Za-z])|π"), r"\\pi "),
+          (re.compile(r"(?<![A-Za-z\\])infinity(?![A-Za-z])|∞"), r"\\infty "),
+          (re.compile(r"\*\*"), "^"), (re.compile(r"[×·]"), r" \\cdot ")]
+
+
+def _closing_paren(s: str, i: int) -> int:
+    """Index of the ``)`` closing the ``(`` at ``s[i]``, or -1."""
+    depth = 0
+    for j in range(i, len(s)):
+        depth += {"(": 1, ")": -1}.get(s[j], 0)
+        if depth == 0:
+            return j
+    return -1
+
+
+def plain_math_to_latex(expr: str) -> str:
+    """A plain-text expression as LaTeX: ``pi``/``π`` → ``\\pi``, ``sqrt(x)``/``√(x)``/``√2`` →
+    ``\\sqrt{…}``, ``infinity``/``∞`` → ``\\infty``, ``**`` → ``^``, ``×``/``·`` → ``\\cdot``,
+    ``^(k)`` → ``^{k}``.
+
+    ``"3*sqrt(2)"`` gives ``"3*\\sqrt{2}"``, ``"2pi/3"`` gives ``"2\\pi /3"``. Text that is not plain
+    math comes back with the same substitutions and is otherwise unchanged.
+    """
+    for pat, rep in _WORDS:
+        expr = pat.sub(rep, expr)
+    while (m := _SQRT_CALL.search(expr)) and (end := _closing_paren(expr, m.end() - 1)) >= 0:
+        expr = f"{expr[:m.start()]}\\sqrt{{{expr[m.end():end]}}}{expr[end + 1:]}"
+    expr = _SQRT_ATOM.sub(lambda m: f"\\sqrt{{{m.group(1)}}}", expr)
+    while (i := expr.find("^(")) >= 0 and (end := _closing_paren(expr, i + 1)) >= 0:
+        expr = f"{expr[:i]}^{{{expr[i + 2:end]}}}{expr[end + 1:]}"
+    return expr
+
+
+def _trim_span(span: str) -> tuple[int, str]:
+    """(offset, core) of a plain-math run: operators and blanks off its ends, and unmatched outer
+    parentheses ("(it is 2pi)" gives "2pi"); core is "" when its parentheses do not balance."""
+    core = span.lstrip(_LEAD)
+    off = len(span) - len(core)
+    core = core.rstrip(_TRAIL)
+    while core.startswith("(") and core.count("(") > core.count(")"):
+        core, off = core[1:].lstrip(_LEAD), off + 1 + len(core[1:]) - len(core[1:].lstrip(_LEAD))
+    while core.endswith(")") and core.count(")") > core.count("("):
+        core = core[:-1].rstrip(_TRAIL)
+    return off, (core if core.count("(") == core.count(")") else "")
+
+
+def latexify_plain_math(text: str) -> str:
+    """``text`` with each plain-text math span outside ``$…$``, ``$$…$$``, ``\\(…\\)``, ``\\[…\\]`` that
+    holds a symbolic word (``pi``, ``sqrt``, ``infinity``, ``π``, ``√``, ``∞``) rewritten as inline LaTeX
+    (``$…$``, see :func:`plain_math_to_latex`), so that math-verify reads ``2pi`` as 2π, not as the
+    number 2 or the product 2·p·i. Text without such a span comes back unchanged (the same object).
+    A span whose parentheses do not balance is left alone. Linear in ``len(text)`` (a few regex passes).
+    """
+    regions = [m.span() for m in _MATH_REGION.finditer(text)]
+    out, last, k = [], 0, 0
+    for m in _PLAIN_RUN.finditer(text):
+        if not _HAS_SYMBOLIC.search(m.group(0)):
+            continue
+        a, b = m.span()
+        while k < len(regions) and regions[k][1] <= a:
+            k += 1
+        if k < len(regions) and regions[k][0] < b:
+            continue  # inside (or across) LaTeX math: math-verify reads that itself
+        off, core = _trim_span(m.group(0))
+        if not _HAS_SYMBOLIC.search(core):
+            continue
+        out += [text[last:a + off], f"${plain_math_to_latex(core).strip()}$"]
+        last = a + off + len(core)
+    if not out:
+        return text
+    out.append(text[last:])
+    return "".join(out)
 
 
 # ---------------------------------------------------------------- JSON in a response

@@ -8,12 +8,14 @@
 3. Judge (:mod:`verifier_service.judge`): a rubric scored over an OpenAI-compatible endpoint.
 
 Then :func:`compose` applies the recipe's gates and weights; reward-hacking detectors
-(:mod:`verifier_service.hacks`) are flagged in the details. The resulting :class:`Reward`:
+(:mod:`verifier_service.hacks`, hedging judged against the spec's gold) are flagged in the details and
+zero the total unless the recipe's ``hack_policy`` is ``flag``. The resulting :class:`Reward`:
 
 * ``components``: every layer computed, each in [0, 1];
 * ``total``: 0 when a gate failed, else the weighted mean of the weighted components;
 * ``details``: the correctness layer's details at the top level (what was extracted, raw score,
-  errors), ``rules`` and ``judge`` details, ``gated_by`` and ``hacks``;
+  errors), ``rules`` and ``judge`` details, ``gated_by``, ``hacks`` and ``zeroed_by`` (the hacks that
+  zeroed the total);
 * ``infra_error``: True only when *our* side failed (sandbox unreachable, math-verify pool timed out
   or died, judge down or unparsable, misconfigured spec). Never a 0: the service retries it and
   then passes it on flagged. A model answer that makes a scorer raise is the model's fault: 0.
@@ -23,10 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import multiprocessing
+import re
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 from opentelemetry import propagate
@@ -40,8 +44,10 @@ from shared.schemas import Reward
 from verifier_service import deterministic as det
 from verifier_service.config import VerifierConfig
 from verifier_service.deterministic import CheckResult, infra, ok_if
-from verifier_service.extract import clip, extract_boxed, extract_code, extract_last_number, strip_reasoning
-from verifier_service.hacks import detect_hacks
+from verifier_service.extract import (
+    clip, extract_boxed, extract_code, extract_last_word_number, latexify_plain_math, strip_reasoning,
+)
+from verifier_service.hacks import detect_hacks, gold_shape
 from verifier_service.judge import JudgeClient
 from verifier_service.rules import run_rules
 
@@ -94,7 +100,8 @@ def compose(recipe: Recipe, correctness: CheckResult, rules: dict[str, CheckResu
     if gated_by:
         details["gated_by"] = gated_by
         total = 0.0
-    if hacks and recipe.hack_policy == "zero":
+    if hacks and recipe.hack_policy == "zero":  # the default: a detected hack earns nothing
+        details["zeroed_by"] = sorted(hacks)
         total = 0.0
     return Reward(total=total, components=components, details=details)
 
@@ -120,34 +127,130 @@ def _math_worker_ping() -> int:
     return os.getpid()
 
 
-def math_verify_compare(gold: str, answer: str, answer_is_boxed: bool) -> dict[str, Any]:
-    """Compare ``answer`` with ``gold`` using math-verify without its signal-based timeouts.
+MATH_OPTIONS = ("extraction", "boxed_match_priority", "float_rounding", "numeric_precision", "strict",
+                "allow_set_relation_comp")
+"""The :class:`MathSpec` fields passed to the worker (math-verify's options; see their docstrings)."""
 
-    Runs in the worker process of :class:`Scorer` (plain picklable values in and out). Returns
-    ``{"ok": bool, "gold_parsed": str, "answer_parsed": str, "error": str | None}``; ``error``
-    set with ``gold_unparsed`` True means the gold itself failed to parse.
+_GOLD_DELIMITERS = re.compile(r"\$|\\\(|\\\[|\\boxed|\\begin\{")
+_ESCAPED_BRACE = re.compile(r"\\[{}]")
+
+
+def _targets(extraction: tuple[str, ...], boxed_match_priority: int) -> list:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
+
+    return [LatexExtractionConfig(boxed_match_priority=boxed_match_priority) if t == "latex"
+            else ExprExtractionConfig() for t in extraction]
+
+
+def _unbalanced(text: str) -> bool:
+    """Whether the braces of ``text`` do not balance (``\\{``, ``\\}`` not counted)."""
+    bare = _ESCAPED_BRACE.sub("", text)
+    return bare.count("{") != bare.count("}")
+
+
+def _gold_fragment(gold: str, matched: str, expr_only: bool) -> str | None:
+    """Why math-verify's reading ``matched`` (the text it parsed) is only part of ``gold``, or None.
+
+    A reading whose braces do not balance was cut short. A plain gold read with ``ExprExtractionConfig``
+    alone (``expr_only``) must keep every digit of the gold, in order: that reader takes one number out
+    of a text (``(1, 2)`` gives ``2``, ``3.5e3`` gives ``3.5``). A LaTeX reading of a plain gold is whole
+    by construction (the boxed content; math-verify may rewrite it, ``0.5`` as ``\\frac{1}{2}``).
+    """
+    if _unbalanced(matched) or (expr_only and [c for c in gold if c.isdigit()] != [c for c in matched if c.isdigit()]):
+        return f"math-verify reads only {matched!r} of the gold answer {gold!r}"
+    return None
+
+
+@functools.lru_cache(maxsize=1024)  # a group's K completions share one gold: parse it once per worker
+def _read_gold(gold: str, latex: bool) -> tuple[list, str | None]:
+    """math-verify's reading of ``gold`` (``[sympy value, matched text]``) and why it is not a complete
+    expression (None when it is: the task is then misconfigured, see :meth:`Scorer.score_math`).
+
+    A plain gold is read whole as LaTeX (as ``\\boxed{gold}``), or with ``ExprExtractionConfig`` alone
+    when the spec has no ``latex`` target; a delimited gold (``$``, ``\\(``, ``\\[``, ``\\boxed``,
+    ``\\begin{``) is read as math-verify reads an answer. Only math-verify's first match is tried
+    (``extraction_mode="first_match"``): a gold whose math does not parse is reported, not replaced by
+    a number found elsewhere in it (``$1 - \\frac{1}{\\mathrm{e}}$`` would otherwise read as 1). Not
+    complete: unbalanced braces (``\\boxed{W(n) = 1``), no expression, or a fragment
+    (:func:`_gold_fragment`).
+    """
+    from math_verify import parse
+
+    if _unbalanced(gold):
+        return [], f"gold answer {gold!r} has unbalanced braces"
+    delimited = bool(_GOLD_DELIMITERS.search(gold))
+    text = gold if delimited or not latex else f"\\boxed{{{gold}}}"
+    targets = _targets(("latex", "expr") if latex else ("expr",), 0)
+    got = parse(text, targets, extraction_mode="first_match", parsing_timeout=None)
+    if not any(not isinstance(x, str) for x in got):
+        return got, f"gold answer {gold!r} does not parse" + (f" (math-verify reads {got[-1]!r})" if got else "")
+    matched = next((x for x in got if isinstance(x, str)), "")
+    return got, _gold_fragment(gold, matched, not delimited and not latex) if matched else None
+
+
+def math_verify_compare(gold: str, body: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Compare the model's answer in ``body`` (the completion after any reasoning block) with ``gold``
+    using math-verify without its signal-based timeouts.
+
+    Runs in the worker process of :class:`Scorer` (plain picklable values in and out), so that all of
+    the reading, ours included, is under the pool's time bound. The readings of ``body`` are
+    :func:`math_candidates`, tried in order; the first in which math-verify finds an answer decides,
+    parsed or not (an unparseable one is compared as text, as math-verify does): a later, looser
+    reading is only a fallback for text math-verify finds nothing in, never a second chance (``$-[0,1)$`` is not read as its last number 1). One decision, so a
+    completion that hedges between readings gains nothing. ``options`` holds the :data:`MATH_OPTIONS`.
+
+    Returns ``{"ok": bool, "gold_parsed": str | None, "answer_parsed": str | None, "extracted": str | None,
+    "extracted_by": how | None, "error": str | None, "gold_unparsed": bool}`` (``extracted``: the text
+    math-verify read; None fields when no reading found anything); ``gold_unparsed`` True means the
+    gold itself does not parse whole (the task is misconfigured).
     """
     from math_verify import parse, verify
 
-    out: dict[str, Any] = {"ok": False, "error": None, "gold_unparsed": False}
-    # The gold is one expression: read it whole, as boxed content. A plain parse takes the last number
-    # of "(1, 2)" (2), the false negative of notes/models-datasets.md; fall back to it only if needed.
-    gold_p = parse(f"\\boxed{{{gold}}}", parsing_timeout=None)
-    if not gold_p:
-        gold_p = parse(gold, parsing_timeout=None)
-    if not gold_p:
-        gold_p = parse(f"${gold}$", parsing_timeout=None)
+    out: dict[str, Any] = {"ok": False, "error": None, "gold_unparsed": False, "gold_parsed": None,
+                           "answer_parsed": None, "extracted": None, "extracted_by": None}
+    extraction = tuple(options["extraction"])
+    gold_p, err = _read_gold(gold, "latex" in extraction)
     out["gold_parsed"] = str(gold_p[0]) if gold_p else None
-    if not gold_p:
-        out.update(error=f"gold answer {gold!r} does not parse", gold_unparsed=True)
+    if err:
+        out.update(error=err, gold_unparsed=True)
         return out
-    ans_p = parse(f"\\boxed{{{answer}}}" if answer_is_boxed else answer, parsing_timeout=None)
-    out["answer_parsed"] = str(ans_p[0]) if ans_p else None
-    if not ans_p:
+    targets = _targets(extraction, options["boxed_match_priority"])
+    for how, text in math_candidates(body, options):
+        ans_p = parse(text, targets, parsing_timeout=None)
+        if ans_p:  # math-verify found the answer here, parsed or only as text: it decides
+            break
+    else:
+        out["error"] = "no answer found in the completion"
+        return out
+    parsed = next((x for x in ans_p if not isinstance(x, str)), None)
+    out.update(extracted_by=how, answer_parsed=None if parsed is None else str(parsed),
+               extracted=next((x for x in ans_p if isinstance(x, str)), str(parsed)))
+    if parsed is None:
         out["error"] = "model answer does not parse"
-        return out
-    out["ok"] = bool(verify(gold_p, ans_p, timeout_seconds=None))
+    out["ok"] = bool(verify(gold_p, ans_p, float_rounding=options["float_rounding"],
+                            numeric_precision=options["numeric_precision"], strict=options["strict"],
+                            allow_set_relation_comp=options["allow_set_relation_comp"], timeout_seconds=None))
     return out
+
+
+def math_candidates(body: str, options: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """The ``(how, text)`` readings of a reasoning-stripped completion that :func:`math_verify_compare`
+    tries, lazily (a reading is built only when the one before found nothing), under ``options``:
+
+    1. ``full``: the whole text, which math-verify reads itself (all of ``\\boxed{1}, \\boxed{2}`` as one
+       set, a "final answer is" sentence after intermediate boxes); plain-text math (``2pi``,
+       ``3*sqrt(2)``) rewritten as LaTeX first when the spec has the ``latex`` target;
+    2. ``boxed``: the last ``\\boxed{}`` alone (unless ``boxed_match_priority`` is -1);
+    3. ``last_number``: the last number standing as a word (``expr`` target only; never the 2 of
+       ``AZYUK2A``).
+    """
+    yield "full", latexify_plain_math(body) if "latex" in options["extraction"] else body
+    boxed = extract_boxed(body) if options["boxed_match_priority"] >= 0 else None
+    if boxed:
+        yield "boxed", f"\\boxed{{{boxed}}}"
+    num = extract_last_word_number(body) if "expr" in options["extraction"] else None
+    if num is not None:
+        yield "last_number", num
 
 
 # ---------------------------------------------------------------- the dispatcher
@@ -187,11 +290,12 @@ class Scorer:
             recipe = self.recipe_for(spec, domain)
             correctness = await self.check(spec, completion)
             rules = run_rules(recipe.rules, completion, finish_reason, list(tools)) if recipe.rules else {}
-            hacks = detect_hacks(completion, isinstance(spec, CODE_KINDS))
+            hacks = detect_hacks(completion, isinstance(spec, CODE_KINDS), gold_shape(spec))
             judge = None
             so_far = {LAYER: correctness.score, **{k: v.score for k, v in rules.items()}}
-            if recipe.judge is not None and not correctness.infra_error and not failed_gates(recipe, so_far):
-                # a failed gate zeroes the reward: the judge's call would be wasted
+            zeroed = bool(hacks) and recipe.hack_policy == "zero"
+            if recipe.judge is not None and not correctness.infra_error and not failed_gates(recipe, so_far) \
+                    and not zeroed:  # a failed gate or a detected hack zeroes the reward: the judge's call would be wasted
                 judge = await asyncio.wait_for(self.judge.score(recipe.judge, prompt or [], completion),
                                                timeout=self.cfg.judge.timeout_s + 5)
             return compose(recipe, correctness, rules, judge, hacks)
@@ -279,7 +383,8 @@ class Scorer:
         pool = None
         try:
             pool = await self._get_pool()
-            fut = pool.submit(math_verify_compare, "1", "1", False)
+            options = MathSpec(answer="1").model_dump(include=set(MATH_OPTIONS))
+            fut = pool.submit(math_verify_compare, "1", "1", options)
             res = await asyncio.wait_for(asyncio.wrap_future(fut), timeout=max(10.0, self.cfg.math_timeout_s))
             return bool(res.get("ok"))
         except Exception:  # noqa: BLE001 - any failure means the pool is not healthy
@@ -300,53 +405,45 @@ class Scorer:
     async def score_math(self, spec: MathSpec, completion: str) -> CheckResult:
         """math-verify equivalence of the gold and the model answer, bounded by ``math_timeout_s``.
 
-        The answer is the last ``\\boxed{}`` when present, else math-verify's own extraction over
-        the full text, else the last number. A pool timeout or crash is infra_error (the pool is
-        recreated); an unparseable model answer is 0; an unparseable gold is infra_error with
-        ``details.misconfigured``.
+        The answer is read from the completion after any reasoning block, in the order of
+        :func:`math_candidates` (the whole text with math-verify, then the last ``\\boxed{}``, then the
+        last number standing as a word), all in one worker call; the first reading in which math-verify
+        finds an answer decides.
+        The spec's math-verify options (:data:`MATH_OPTIONS`) apply to every reading.
+
+        Returns 1 or 0 with details ``extracted`` (the text math-verify read), ``extracted_by``,
+        ``answer_parsed``, ``gold_parsed`` and ``error``. A pool timeout or crash is infra_error (the
+        pool is recreated), unless a fresh pool compares fine, in which case the answer itself is too
+        slow and scores 0; an unparseable model answer is 0; a gold that does not parse whole
+        (:func:`_read_gold`) is infra_error with ``details.misconfigured``.
         """
-        completion = strip_reasoning(completion)
-        if not completion.strip():
+        body = strip_reasoning(completion)
+        if not body.strip():
             return ok_if(False, extracted=None, reason="empty completion (outside any reasoning block)")
-        boxed = extract_boxed(completion)
-        candidates: list[tuple[str, bool, str]] = []
-        if boxed is not None:
-            candidates.append((boxed, True, "boxed"))
-        else:
-            candidates.append((completion, False, "full"))
-            num = extract_last_number(completion)
-            if num is not None:
-                candidates.append((num, False, "last_number"))
-        res: dict[str, Any] = {}
-        used, how = "", ""
-        for used, is_boxed, how in candidates:
+        options = spec.model_dump(include=set(MATH_OPTIONS))
+        try:
+            pool = await self._get_pool()
+        except (asyncio.TimeoutError, concurrent.futures.process.BrokenProcessPool, OSError) as e:
+            return infra(f"math-verify pool did not start: {e!r}")
+        async with self._math_slots:
+            fut = pool.submit(math_verify_compare, spec.answer, body, options)
             try:
-                pool = await self._get_pool()
-            except (asyncio.TimeoutError, concurrent.futures.process.BrokenProcessPool, OSError) as e:
-                return infra(f"math-verify pool did not start: {e!r}")
-            async with self._math_slots:
-                fut = pool.submit(math_verify_compare, spec.answer, used, is_boxed)
-                try:
-                    res = await asyncio.wait_for(asyncio.wrap_future(fut), timeout=self.cfg.math_timeout_s)
-                except asyncio.TimeoutError:
-                    self._kill_pool(pool)
-                    if await self._pool_healthy():  # the pool works: this answer is what takes too long
-                        return ok_if(False, extracted=clip(used), reason=f"the answer took longer than "
-                                     f"{self.cfg.math_timeout_s} s to compare (e.g. a huge power tower)")
-                    return infra(f"math-verify exceeded {self.cfg.math_timeout_s} s", extracted=clip(used))
-                except concurrent.futures.process.BrokenProcessPool as e:
-                    self._kill_pool(pool)
-                    return infra(f"math-verify worker died: {e!r}", extracted=clip(used))
-                except Exception as e:  # noqa: BLE001 - sympy raising on the model's answer
-                    res = {"ok": False, "error": f"{type(e).__name__}: {e}", "gold_unparsed": False}
-            if res.get("gold_unparsed"):
-                return infra(res["error"], misconfigured=True)
-            if res.get("answer_parsed") is not None:
-                break  # parsed: this candidate decides
-        details = {
-            k: (clip(v) if isinstance(v, str) else v) for k, v in res.items() if k not in ("ok", "gold_unparsed")
-        }
-        return ok_if(bool(res.get("ok")), extracted=clip(used), extracted_by=how, **details)
+                res = await asyncio.wait_for(asyncio.wrap_future(fut), timeout=self.cfg.math_timeout_s)
+            except asyncio.TimeoutError:
+                self._kill_pool(pool)
+                if await self._pool_healthy():  # the pool works: this answer is what takes too long
+                    return ok_if(False, extracted=clip(body), reason=f"the answer took longer than "
+                                 f"{self.cfg.math_timeout_s} s to compare (e.g. a huge power tower)")
+                return infra(f"math-verify exceeded {self.cfg.math_timeout_s} s", extracted=clip(body))
+            except concurrent.futures.process.BrokenProcessPool as e:
+                self._kill_pool(pool)
+                return infra(f"math-verify worker died: {e!r}", extracted=clip(body))
+            except Exception as e:  # noqa: BLE001 - sympy raising on the model's answer
+                res = {"ok": False, "error": f"{type(e).__name__}: {e}", "gold_unparsed": False}
+        if res.get("gold_unparsed"):
+            return infra(res["error"], misconfigured=True, gold_parsed=res.get("gold_parsed"))
+        details = {k: (clip(v) if isinstance(v, str) else v) for k, v in res.items() if k not in ("ok", "gold_unparsed")}
+        return ok_if(bool(res.get("ok")), **details)
 
     # ------------------------------------------------------------ unit tests
 

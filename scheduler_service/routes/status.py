@@ -22,6 +22,7 @@ def get_status(state: StateDep) -> StatusPublic:
         issued_groups=groups["issued"] + groups["complete"] + groups["abandoned"],
         completed_groups=groups["complete"],
         abandoned_groups=groups["abandoned"],
+        dropped_groups=reg.dropped_counts(),
         samples_scored=reg.samples_scored(),
         throughput_samples_per_s=stats.throughput(),
         staleness=Staleness(**stats.staleness()),

@@ -9,6 +9,26 @@ ANSWER_TAG_SYSTEM = ("Solve the problem. You may reason first, then give only th
                      "<answer></answer> tags.")
 
 
+TRUNCATION_GATE: dict[str, Any] = {"rules": [{"rule": "truncation"}], "gates": ["truncation"]}
+"""The recipe of domains whose answer is the end of a finished response (math, reasoning): a completion
+cut off at the token budget (finish_reason ``length``) earns 0, whatever number it holds."""
+
+
+def with_recipe(verifier: dict[str, Any], recipe: dict[str, Any] | None) -> dict[str, Any]:
+    """``verifier`` carrying ``recipe`` as its ``recipe`` (``None``: none, so the verifier service's
+    recipe for the task's domain applies).
+
+    Raises:
+        ValueError: ``recipe`` is not a valid recipe (``shared.verifier_specs.Recipe``).
+    """
+    if recipe is None:
+        return verifier
+    from shared.verifier_specs import Recipe
+
+    Recipe.model_validate(recipe)  # a bad recipe fails here, not when the scheduler receives the task
+    return {**verifier, "recipe": recipe}
+
+
 def task_id(domain: str, split: str, key: str) -> str:
     """A stable task id: ``<domain>-<split>-<12 hex of sha1(key)>``."""
     return f"{domain}-{split}-{hashlib.sha1(f'{domain}:{key}'.encode()).hexdigest()[:12]}"

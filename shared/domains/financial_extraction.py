@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import datetime as dt
 import random
+from typing import Any
 
-from shared.domains.common import task_body
+from shared.domains.common import task_body, with_recipe
+
+RECIPE: dict[str, Any] | None = None
+"""No recipe on the tasks (opted out of the truncation gate on purpose): the answer is one JSON object,
+which does not parse when it is cut off; a response cut off after its object closed holds a complete
+answer. The verifier service's ``recipes.financial_extraction`` applies."""
 
 FIELDS = {
     "company": "string",
@@ -85,8 +91,14 @@ def _statement(rng: random.Random) -> tuple[str, dict]:
     return text, truth
 
 
-def make(n: int, seed: int = 0, split: str = "train", samples_per_task: int = 8) -> list[dict]:
-    """``n`` statements (the eval split uses a disjoint seed stream)."""
+def make(n: int, seed: int = 0, split: str = "train", samples_per_task: int = 8,
+         recipe: dict[str, Any] | None = RECIPE) -> list[dict]:
+    """``n`` statements (the eval split uses a disjoint seed stream), each carrying ``recipe`` when one is
+    given (default :data:`RECIPE`).
+
+    Raises:
+        ValueError: ``recipe`` is not a valid recipe.
+    """
     rng = random.Random(f"financial:{split}:{seed}")
     out = []
     for i in range(n):
@@ -95,7 +107,7 @@ def make(n: int, seed: int = 0, split: str = "train", samples_per_task: int = 8)
         user = (f"Statement:\n\n{text}\n\nReturn JSON with the fields: {', '.join(FIELDS)} "
                 f"(the current fiscal year, not the prior one).")
         out.append(task_body("financial_extraction", split, f"{seed}:{i}:{text}", user,
-                             {"kind": "json_fields", "fields": fields}, system=SYSTEM,
+                             with_recipe({"kind": "json_fields", "fields": fields}, recipe), system=SYSTEM,
                              samples_per_task=samples_per_task, metadata={"truth": truth}))
     return out
 

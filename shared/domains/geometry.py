@@ -13,11 +13,17 @@ reference, decide the reward, so any valid construction scores 1.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import orjson
 
-from shared.domains.common import task_body
+from shared.domains.common import task_body, with_recipe
 from shared.scene import Primitive, scene_json
+
+RECIPE: dict[str, Any] | None = None
+"""No recipe on the tasks (opted out of the truncation gate on purpose): the scene is one JSON object,
+which does not parse when it is cut off; a response cut off after it closed holds a complete scene. The
+verifier service's ``recipes.geometry`` applies."""
 
 SYSTEM = ('Build the requested 3D scene. Reply with one JSON object inside <answer></answer> tags: '
           '{"primitives": [...]} where each primitive is {"type": "box", "center": [x, y, z], "size": [sx, sy, sz]}, '
@@ -72,8 +78,13 @@ FAMILIES = {"tower": _tower, "row": _row, "table": _table}
 
 
 def make(n: int, seed: int = 0, split: str = "train", families: list[str] | None = None,
-         samples_per_task: int = 8) -> list[dict]:
-    """``n`` construction tasks cycling through ``families`` (default all three)."""
+         samples_per_task: int = 8, recipe: dict[str, Any] | None = RECIPE) -> list[dict]:
+    """``n`` construction tasks cycling through ``families`` (default all three), each carrying ``recipe``
+    when one is given (default :data:`RECIPE`).
+
+    Raises:
+        ValueError: ``recipe`` is not a valid recipe.
+    """
     rng = random.Random(f"geometry:{split}:{seed}")
     fams = families or list(FAMILIES)
     out = []
@@ -81,7 +92,7 @@ def make(n: int, seed: int = 0, split: str = "train", families: list[str] | None
         fam = fams[i % len(fams)]
         text, cons, prims = FAMILIES[fam](rng)
         out.append(task_body("geometry", split, f"{seed}:{i}:{text}", text,
-                             {"kind": "geometry", "constraints": cons}, system=SYSTEM,
+                             with_recipe({"kind": "geometry", "constraints": cons}, recipe), system=SYSTEM,
                              samples_per_task=samples_per_task,
                              metadata={"family": fam, "reference": scene_json(prims)}))
     return out

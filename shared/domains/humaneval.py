@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import random
 from functools import lru_cache
+from typing import Any
 
-from shared.domains.common import task_body
+from shared.domains.common import task_body, with_recipe
+
+RECIPE: dict[str, Any] | None = None
+"""No recipe on the tasks (opted out of the truncation gate on purpose): the tests decide, and a function
+cut off mid-body does not compile or fails them; one cut off after it is complete. The verifier
+service's recipe for the domain applies."""
 
 SYSTEM = ("Complete the Python function. Reply with the complete function in one ```python code block, "
           "with any imports it needs.")
@@ -24,8 +30,13 @@ def problems() -> dict[str, dict]:
 
 
 def make(n: int, seed: int = 0, split: str = "train", eval_size: int = 32, samples_per_task: int = 8,
-         timeout_s: float | None = None) -> list[dict]:
-    """Up to ``n`` problems of the split (train: the first 164 − ``eval_size``, shuffled by ``seed``)."""
+         timeout_s: float | None = None, recipe: dict[str, Any] | None = RECIPE) -> list[dict]:
+    """Up to ``n`` problems of the split (train: the first 164 − ``eval_size``, shuffled by ``seed``), each
+    carrying ``recipe`` when one is given (default :data:`RECIPE`).
+
+    Raises:
+        ValueError: ``recipe`` is not a valid recipe.
+    """
     probs = sorted(problems().values(), key=lambda p: int(p["task_id"].split("/")[1]))
     pool = probs[-eval_size:] if split == "eval" else probs[:-eval_size] if eval_size else probs
     if split == "train":
@@ -36,6 +47,7 @@ def make(n: int, seed: int = 0, split: str = "train", eval_size: int = 32, sampl
         verifier = {"kind": "unit_tests", "tests": p["test"], "entry_point": p["entry_point"], "prefix": p["prompt"]}
         if timeout_s:
             verifier["timeout_s"] = timeout_s
+        verifier = with_recipe(verifier, recipe)
         out.append(task_body("humaneval", split, p["task_id"], p["prompt"], verifier, system=SYSTEM,
                              samples_per_task=samples_per_task, metadata={"problem": p["task_id"]}))
     return out

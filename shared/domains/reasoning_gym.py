@@ -1,7 +1,8 @@
 """reasoning-gym as a Flywheel domain: every generator with a gold answer and an exact scorer.
 
 Scoring goes through the dataset's own ``score_answer`` (reward 1 only at exactly 1.0), with the
-answer taken strictly from ``<answer>…</answer>``. Checked by ``tests/shared/test_domains.py`` over 50
+answer taken strictly from ``<answer>…</answer>``. Tasks carry :data:`RECIPE`: a completion cut off at
+the token budget earns 0 (``make(recipe=None)`` opts out). Checked by ``tests/shared/test_domains.py`` over 50
 items per generator: the gold answer scores 1, another item's answer scores below 1.
 """
 
@@ -10,7 +11,11 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from shared.domains.common import ANSWER_TAG_SYSTEM, split_seed, task_body
+from shared.domains.common import ANSWER_TAG_SYSTEM, TRUNCATION_GATE, split_seed, task_body, with_recipe
+
+RECIPE: dict[str, Any] | None = TRUNCATION_GATE
+"""Recipe every task carries: an answer tag inside a response cut off at the token budget is not a
+finished answer (the reasoning that should have ended in it was cut)."""
 
 EXCLUDED: dict[str, str] = {
     "composite": "a mixture of other generators, not one of its own (use those generators directly)",
@@ -47,11 +52,13 @@ def included() -> list[str]:
 
 
 def make(n: int, seed: int = 0, split: str = "train", datasets: list[str] | None = None,
-         dataset_config: dict[str, dict[str, Any]] | None = None, samples_per_task: int = 8) -> list[dict]:
-    """``n`` tasks drawn round-robin from ``datasets`` (default: all :func:`included`).
+         dataset_config: dict[str, dict[str, Any]] | None = None, samples_per_task: int = 8,
+         recipe: dict[str, Any] | None = RECIPE) -> list[dict]:
+    """``n`` tasks drawn round-robin from ``datasets`` (default: all :func:`included`), each carrying
+    ``recipe`` (default :data:`RECIPE`; ``None``: none, the verifier service's recipe for the domain).
 
     Raises:
-        ValueError: a dataset is excluded or unknown.
+        ValueError: a dataset is excluded or unknown, or ``recipe`` is not a valid recipe.
     """
     import reasoning_gym
 
@@ -78,7 +85,8 @@ def make(n: int, seed: int = 0, split: str = "train", datasets: list[str] | None
     for i, (name, entry) in enumerate(entries):
         # another item's answer from the same generator: what corrupt() submits (never shown to the model)
         others = [x["answer"] for m, x in entries[i + 1:] + entries[:i] if m == name and x["answer"] != entry["answer"]]
-        verifier = {"kind": "reasoning_gym", "dataset": name, "entry": entry, "extract": "answer_tag"}
+        verifier = with_recipe({"kind": "reasoning_gym", "dataset": name, "entry": entry, "extract": "answer_tag"},
+                               recipe)
         out.append(task_body("reasoning_gym", split, f"{name}:{entry['question']}", entry["question"], verifier,
                              system=ANSWER_TAG_SYSTEM, samples_per_task=samples_per_task,
                              metadata={"dataset": name, "distractor": others[0] if others else None}))

@@ -186,3 +186,30 @@ def test_interrupting_generation_for_new_weights_runs_end_to_end(tiny, tmp_path)
     mixed = [h for h in rep["history"] if h.get("train/staleness_max", 0) >= 1]
     assert mixed, "no step trained on tokens older than its policy version"
     assert all(h["train/staleness_max"] <= 1 for h in rep["history"])  # η = 1 holds for the oldest token
+
+
+def test_a_run_that_drops_groups_still_reaches_max_steps(tiny, tmp_path):
+    """Groups the trainer drops give their slot back: with η = 1, generation interrupted for new weights
+    (stale groups) and a third of the training tasks refused by the rollout (prompts longer than the
+    model's context: failed groups, in every epoch over 12 tasks), the run still trains all 10 steps, and
+    the drops are reported as they happen (status, report, the trainer's and the scheduler's logs)."""
+    long_tasks = tmp_path / "long.jsonl"
+    with long_tasks.open("w") as f:
+        for i in range(4):  # ~3000 digits: far beyond the tiny model's 512 positions
+            f.write(json.dumps({"task_id": f"long-{i}", "domain": "toy_prefix", "split": "train",
+                                "prompt": [{"role": "user", "content": f"{i} " + "1234567890 " * 300}],
+                                "verifier": {"kind": "regex", "pattern": "^[a-z]"}, "samples_per_task": 8}) + "\n")
+    report = tmp_path / "report.json"
+    _flywheel("run", str(ROOT / "examples/toy.yaml"), "--set", f"model.name={tiny}", "--set",
+              f"run.dir={tmp_path / 'runs'}", "--set", "rollout.weight_update_policy=interrupt", "--set",
+              "scheduler.max_tokens=48", "--set", "tasks.train_size=8", "--set", "trainer.max_steps=10",
+              "--submit", str(long_tasks), "--report", str(report), "--timeout", "300", cwd=tmp_path)
+    rep = json.loads(report.read_text())
+    assert rep["steps"] == 10 and rep["eval"]["after"]["policy_version"] == 10
+    dropped = rep["dropped_groups"]
+    assert dropped.get("failed", 0) >= 4, dropped  # each long task at least once
+    logs = Path(rep["run_dir"]) / "logs"
+    trainer_log, scheduler_log = (logs / "trainer.log").read_text(), (logs / "scheduler.log").read_text()
+    assert "dropped group long-" in trainer_log and "slot returned to the scheduler" in trainer_log
+    assert "its slot is given back" in scheduler_log
+    assert all(h["train/staleness_max"] <= 1 for h in rep["history"])

@@ -215,7 +215,7 @@ def test_no_resample_when_off_or_not_larger(reg):
     assert reg.train_group_counts() == (3, 0)  # the re-sample is pending, not yet in flight
 
 
-def test_a_registry_from_before_resampling_gains_the_column(tmp_path):
+def test_a_registry_from_before_resampling_and_drops_gains_the_columns(tmp_path):
     import sqlite3
 
     path = tmp_path / "old.db"
@@ -223,6 +223,7 @@ def test_a_registry_from_before_resampling_gains_the_column(tmp_path):
     old.close()
     db = sqlite3.connect(path)
     db.execute('ALTER TABLE "groups" DROP COLUMN resample_of')
+    db.execute('ALTER TABLE "groups" DROP COLUMN dropped')
     db.commit()
     db.close()
     reg = Registry(path)
@@ -231,5 +232,49 @@ def test_a_registry_from_before_resampling_gains_the_column(tmp_path):
         reg.issue_train_groups(["t"], deadline_s=60)
         reg.record_reward(_ev_n("t:0", 0, 2))
         assert reg.record_reward(_ev_n("t:0", 1, 2), resample_n=4).resample.n == 4
+        assert reg.record_drop("t:1", "stale") == "t:0"
     finally:
         reg.close()
+
+
+def test_a_dropped_group_gives_its_slot_back_once(reg):
+    """Stale and failed drops free the slot (and the in-flight place) of the group; a repeated,
+    unknown or eval-group notice changes nothing; a dropped group is never re-issued past its
+    deadline."""
+    reg.register_tasks([_task(t) for t in ("a", "b", "c")] + [_task("e", split="eval")])
+    for t in ("a", "b", "c"):
+        reg.issue_train_groups([t], deadline_s=0.0)  # past their deadline at once
+    reg.record_reward(_ev_n("a:0", 0, 2, reward=1.0, passed=True))
+    reg.record_reward(_ev_n("a:0", 1, 2))
+    assert reg.train_group_counts() == (3, 2)
+    assert reg.record_drop("a:0", "stale") == "a:0"
+    assert reg.train_group_counts() == (2, 2)
+    assert reg.record_drop("a:0", "stale") is None and reg.record_drop("a:0", "failed") is None
+    assert reg.record_drop("zzz:0", "stale") is None
+    assert reg.record_drop("b:0", "failed") == "b:0"  # still in flight: no longer counted there either
+    assert reg.train_group_counts() == (1, 1) and reg.dropped_counts() == {"stale": 1, "failed": 1}
+    rid = reg.create_eval_round(0)
+    assert rid == 0 and reg.record_drop("e:0", "stale") is None  # eval groups hold no training slot
+    time.sleep(0.01)
+    reissued, abandoned = reg.expire_groups(deadline_s=60, max_attempts=3)
+    assert [g.group_id for g in reissued] == ["c:0"] and abandoned == []
+    assert reg.get_group("b:0")["state"] == "abandoned"  # dropped: nothing to wait for, never re-issued
+
+
+def test_a_superseded_unsolved_group_keeps_its_slot_only_while_a_resample_holds_it(reg):
+    reg.register_tasks([_task(t) for t in ("u", "v")])
+    for t in ("u", "v"):
+        reg.issue_train_groups([t], deadline_s=60)
+    for g in ("u:0", "v:0"):
+        reg.record_reward(_ev_n(g, 0, 2))
+    assert reg.record_reward(_ev_n("u:0", 1, 2), resample_n=6).resample.group_id == "u:1"
+    # the trainer set u:0 aside for its re-sample: the re-sample holds the slot
+    assert reg.record_drop("u:0", "superseded_unsolved") is None and reg.train_group_counts()[0] == 2
+    # ... and when the re-sample goes stale, the original's slot comes back
+    assert reg.record_drop("u:1", "stale") == "u:0"
+    assert reg.train_group_counts()[0] == 1 and reg.get_group("u:0")["dropped"] == "resample_stale"
+    # set aside, but the scheduler wrote no re-sample (its test disagreed, or it was off): the slot comes back,
+    # and a completing event that arrives after the drop writes none (the slot already went to a new group)
+    assert reg.record_drop("v:0", "superseded_unsolved") == "v:0"
+    assert reg.record_reward(_ev_n("v:0", 1, 2), resample_n=6).resample is None
+    assert reg.train_group_counts()[0] == 0

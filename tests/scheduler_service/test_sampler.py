@@ -14,7 +14,9 @@ import pytest
 
 from shared import topics
 from shared.kafka import send
-from shared.schemas import DeadLetter, DecodeError, decode, Metrics, RewardEvent, RolloutRequest, WeightUpdate
+from shared.schemas import (
+    DeadLetter, DecodeError, decode, GroupDropped, Metrics, RewardEvent, RolloutRequest, WeightUpdate,
+)
 
 pytestmark = pytest.mark.kafka
 
@@ -255,3 +257,48 @@ async def test_an_unsolved_group_is_resampled_with_more_samples(make_config, kaf
         assert await collect(requests, RolloutRequest, mine, want=1, timeout_s=1.5) == []
         t = (await client.get(f"/v1/tasks/{unsolved.task.task_id}")).json()
         assert (t["samples"], t["passes"], t["groups_issued"]) == (8, 0, 2)
+
+
+async def test_a_group_the_trainer_drops_gives_its_slot_back(make_config, kafka_cfg, unique, running, task, kafka_io):
+    """At v = 0 with η = 0 and B = 1 the budget holds one group. A completed group the trainer reports
+    dropped (stale) frees its slot: a new group goes out at once, still at v = 0, and the dropped one is
+    counted in the status. A repeated notice, a malformed one (to the DLQ) and one for an unknown group
+    free nothing more; a dropped group past its deadline is not re-issued."""
+    producer, reader = kafka_io
+    ids = [f"{unique}-t{i}" for i in range(3)]
+    requests = await reader(topics.ROLLOUT_REQUESTS)
+    mine = lambda r: r.task.task_id in ids  # noqa: E731
+    cfg = _cfg(make_config, kafka_cfg, unique, group_deadline_s=6.0)
+    async with running(cfg) as (client, state):
+        assert (await client.post("/v1/tasks", json={"tasks": [task(t) for t in ids]})).status_code == 202
+        (first,) = await collect(requests, RolloutRequest, mine, want=1, settle_s=1.0)
+        for i in range(2):
+            await _produce(producer, topics.REWARDS, _reward(first, i, i == 0), first.task.task_id)
+        assert await wait_for(lambda: state.registry.get_group(first.group_id)["state"] == "complete")
+        assert await collect(requests, RolloutRequest, mine, want=1, timeout_s=1.0) == []  # budget spent
+
+        drop = GroupDropped(group_id=first.group_id, reason="stale", policy_version=0, behaviour_version=0, samples=2)
+        await producer.send_and_wait(topics.GROUP_DROPS, b"{not json", key=first.group_id.encode())
+        await _produce(producer, topics.GROUP_DROPS, drop, first.group_id)
+        await _produce(producer, topics.GROUP_DROPS, drop, first.group_id)  # redelivery
+        await _produce(producer, topics.GROUP_DROPS, drop.model_copy(update={"group_id": f"{unique}-nope:0"}),
+                       f"{unique}-nope:0")
+        (second,) = await collect(requests, RolloutRequest, mine, want=1, settle_s=1.5)
+        assert second.group_id != first.group_id and second.task.task_id != first.task.task_id
+        assert state.registry.get_group(first.group_id)["dropped"] == "stale"
+        assert state.registry.train_group_counts() == (1, 1)
+        st = (await client.get("/v1/status")).json()
+        assert st["dropped_groups"] == {"stale": 1} and st["policy_version"] == 0
+        dlq = await reader(topics.DLQ)
+        assert await collect(dlq, DeadLetter, lambda d: d.source_topic == topics.GROUP_DROPS
+                             and d.payload == "{not json" and d.consumer == "scheduler", want=1)
+
+        # the trainer dropped the second group while in flight (a failed sample): its slot comes back at
+        # once (it no longer counts in flight either), and when its deadline passes it is not re-issued
+        fail = GroupDropped(group_id=second.group_id, reason="failed", policy_version=0, behaviour_version=0, samples=1)
+        await _produce(producer, topics.GROUP_DROPS, fail, second.group_id)
+        (third,) = await collect(requests, RolloutRequest, mine, want=1, timeout_s=3.0, settle_s=1.0)
+        assert third.group_id not in (first.group_id, second.group_id)
+        assert await wait_for(lambda: state.registry.get_group(second.group_id)["state"] == "abandoned", 10.0)
+        assert [r.group_id for r in await collect(requests, RolloutRequest, mine, want=1, timeout_s=1.0)] == []
+        assert (await client.get("/v1/status")).json()["dropped_groups"] == {"stale": 1, "failed": 1}

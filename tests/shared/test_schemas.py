@@ -65,3 +65,14 @@ def test_task_rejects_k_below_two_and_empty_prompt():
 def test_reward_event_rejects_wrong_schema_name():
     with pytest.raises(DecodeError):
         decode(_task().encode(), RewardEvent)
+
+
+def test_group_dropped_round_trip_and_reason_is_checked():
+    from shared.schemas import GroupDropped
+
+    d = GroupDropped(group_id="t:0", reason="stale", policy_version=5, behaviour_version=3, samples=8)
+    assert decode(d.encode(), GroupDropped) == d and orjson.loads(d.encode())["schema"] == "flywheel.GroupDropped"
+    bad = orjson.loads(d.encode())
+    bad["reason"] = "bored"
+    with pytest.raises(DecodeError, match="reason"):
+        decode(orjson.dumps(bad), GroupDropped)

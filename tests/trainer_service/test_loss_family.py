@@ -14,14 +14,14 @@ from trainer_service.losses import resolve_loss
 from trainer_service.losses.advantages import group_advantages
 from trainer_service.losses.grpo import GRPOLossConfig, batch_normalizer, grpo_loss
 from trainer_service.losses.gspo import gspo_loss
-from trainer_service.losses.kl import kl_term, kl_value
+from trainer_service.losses.kl import kl_importance_weight, kl_term, kl_value
 from trainer_service.main import build_trainer
 from trainer_service.trainer import PolicyTrainer
 
 from .test_checkpoint_resume import _config
 from .test_trainer import fill, scored, tiny  # noqa: F401 - fixture
 
-LOSSES = ["grpo", "dr_grpo", "dapo", "rloo", "gspo"]
+LOSSES = ["grpo", "bnpo", "dr_grpo", "dapo", "rloo", "gspo"]
 
 
 # ---------------------------------------------------------------- advantages
@@ -49,6 +49,23 @@ def test_advantage_estimators_hand_computed():
     s = math.sqrt(1 / 3)
     torch.testing.assert_close(group_advantages(r, "grpo", 1e-4), torch.tensor([[0.5, -0.5, -0.5, 0.5]],
                                                                                dtype=torch.float64) / (s + 1e-4))
+
+
+# ---------------------------------------------------------------- presets
+
+
+def test_each_preset_means_what_trl_and_verl_mean_by_its_name():
+    """Issue 14: ``grpo`` averages each sequence's tokens first, then the sequences (TRL ``loss_type="grpo"``,
+    DeepSeekMath eq. 3, verl ``seq-mean-token-mean``). Before, it averaged over all the batch's tokens,
+    which is TRL's ``bnpo`` (and ``dapo`` with a symmetric clip): that preset is now ``bnpo``."""
+    got = {n: (resolve_loss(TrainerConfig(loss=n)).estimator, resolve_loss(TrainerConfig(loss=n)).cfg.loss_agg,
+               resolve_loss(TrainerConfig(loss=n)).cfg.clip_eps, resolve_loss(TrainerConfig(loss=n)).cfg.eps_high)
+           for n in LOSSES}
+    assert got == {
+        "grpo": ("grpo", "seq_mean_token_mean", 0.2, 0.2), "bnpo": ("grpo", "token_mean", 0.2, 0.2),
+        "dr_grpo": ("dr_grpo", "seq_mean_token_sum", 0.2, 0.2), "dapo": ("grpo", "token_mean", 0.2, 0.28),
+        "rloo": ("rloo", "token_mean", 0.2, 0.2), "gspo": ("grpo", "seq_mean_token_mean", 3e-4, 4e-4)}
+    assert resolve_loss(TrainerConfig(loss="grpo", loss_agg="token_mean")).cfg.loss_agg == "token_mean"
 
 
 # ---------------------------------------------------------------- surrogates, hand-computed
@@ -152,6 +169,81 @@ def test_k3_used_naively_would_give_the_forward_kl_gradient():
     assert lp.grad.item() == pytest.approx(1 - math.exp(-0.5))  # (1 − π_ref/π), not δ: why kl_term exists
 
 
+# ---------------------------------------------------------------- KL under staleness
+
+
+@pytest.mark.parametrize("est", ["k1", "k2", "k3"])
+def test_on_policy_the_kl_weight_is_exactly_one_and_changes_nothing(est):
+    torch.manual_seed(0)
+    base = torch.randn(3, 5, dtype=torch.float64) - 2.0
+    ref = base + 0.3 * torch.randn(3, 5, dtype=torch.float64)
+    mask = torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2, [1.0, 0.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
+    weighted, plain = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
+    w = kl_importance_weight(weighted, weighted.detach(), mask)  # behaviour == current log-probs
+    assert torch.equal(w, torch.ones_like(w))
+    a, b = kl_term(weighted, ref, est, w), kl_term(plain, ref, est)
+    assert torch.equal(a, b)
+    (a * mask).sum().backward()
+    (b * mask).sum().backward()
+    assert torch.equal(weighted.grad, plain.grad)
+
+
+@pytest.mark.parametrize("est", ["k1", "k2", "k3"])
+def test_off_policy_kl_term_is_weighted_by_pi_over_pi_behaviour(est):
+    # log π = 0, log π_b = log 0.5 (w = 2), log π_ref = −0.5 (δ = 0.5): value 2·k, gradient 2·δ = 1
+    lp = torch.tensor([[0.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-0.5]], dtype=torch.float64)
+    w = kl_importance_weight(lp, torch.tensor([[math.log(0.5)]], dtype=torch.float64), torch.ones(1, 1))
+    assert w.item() == pytest.approx(2.0) and not w.requires_grad
+    term = kl_term(lp, ref, est, w)
+    assert term.item() == pytest.approx(2.0 * kl_value(lp.detach(), ref, est).item())
+    term.sum().backward()
+    assert lp.grad.item() == pytest.approx(1.0)
+
+
+def test_weighted_k3_gradient_equals_trls_undetached_ratio_times_k3():
+    """TRL's k3 · exp(log π − log π_b), the ratio not detached, has our gradient w·δ·∇log π at every token."""
+    torch.manual_seed(1)
+    lp0, blp, ref = (torch.randn(4, 6, dtype=torch.float64) - 2.0 for _ in range(3))
+    ours, trl = lp0.clone().requires_grad_(True), lp0.clone().requires_grad_(True)
+    kl_term(ours, ref, "k3", kl_importance_weight(ours, blp, torch.ones(4, 6))).sum().backward()
+    (kl_value(trl, ref, "k3") * torch.exp(trl - blp)).sum().backward()
+    torch.testing.assert_close(ours.grad, trl.grad)
+
+
+@pytest.mark.parametrize("est", ["k1", "k2", "k3"])
+def test_weighted_kl_is_unbiased_under_the_behaviour_policy(est):
+    """Exact expectation over a 6-token vocabulary sampled by π_b: the weighted term's mean value is the
+    estimator's mean under π_θ (KL(π_θ ‖ π_ref) for k1 and k3) and its mean gradient is ∇KL(π_θ ‖ π_ref)
+    for every estimator; unweighted, the gradient is off."""
+    torch.manual_seed(2)
+    theta = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    behaviour = torch.log_softmax(theta.detach() + 0.7 * torch.randn(6, dtype=torch.float64), 0)
+    ref = torch.log_softmax(torch.randn(6, dtype=torch.float64), 0)
+    p_b = behaviour.exp()
+
+    def expected(weighted: bool) -> tuple[float, torch.Tensor]:
+        theta.grad = None
+        lp = torch.log_softmax(theta, 0)[None]  # every token of the vocabulary as one sample, [1, 6]
+        w = kl_importance_weight(lp, behaviour[None], torch.ones(1, 6)) if weighted else None
+        mean = (p_b * kl_term(lp, ref[None], est, w)[0]).sum()  # E_{y ~ π_b}[term(y)]
+        mean.backward()
+        return mean.item(), theta.grad.clone()
+
+    lp = torch.log_softmax(theta, 0)
+    kl = (lp.exp() * (lp - ref)).sum()
+    kl.backward()
+    true_grad = theta.grad.clone()
+    value, grad = expected(weighted=True)
+    on_policy_mean = (lp.exp() * kl_value(lp, ref, est)).sum().item()
+    assert value == pytest.approx(on_policy_mean)
+    if est != "k2":
+        assert value == pytest.approx(kl.item())
+    torch.testing.assert_close(grad, true_grad)
+    _, unweighted = expected(weighted=False)
+    assert (unweighted - true_grad).norm() > 0.05 * true_grad.norm()
+
+
 # ---------------------------------------------------------------- through the trainer
 
 
@@ -241,6 +333,27 @@ def test_cosine_schedule_decays_to_its_floor_after_warm_up():
     cos = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)) for t in (0, 0.25, 0.5, 0.75, 1.0)]
     assert factors == pytest.approx([0.5, 1.0, *cos, 0.1])
     assert lr_factor(cfg.model_copy(update={"lr_schedule": "constant"}), 6) == 1.0
+
+
+def test_stale_samples_weight_the_kl_term_and_fresh_ones_do_not(tiny):
+    """η = 1 with KL: rows whose behaviour log-probs are not π_θ's carry w ≠ 1 in the KL term; rows scored by
+    π_θ itself (behaviour == the trainer's log-probs) carry w = 1 up to float32 storage of the log-probs."""
+    from trainer_service.trainer import collate, completion_logprobs
+    model = load_model(tiny)
+    buf = GroupBuffer(1)
+    fill(buf, "stale", [1, 0, 0, 1], version=0)  # behaviour log-probs −1: not π_θ's
+    tr = PolicyTrainer(model, TrainerConfig(kl_coef=0.05), pad_id=0)
+    tr.optimizer.step = lambda: None
+    tr.version = 1
+    assert tr.train_step(buf.take(1))["loss/kl_ref_weight_mean"] != pytest.approx(1.0, abs=1e-2)
+    rows = [scored("fresh", i, size=4, reward=float(i % 2)) for i in range(4)]
+    with torch.no_grad():
+        lp = completion_logprobs(model, collate(rows, pad_id=0))
+    buf = GroupBuffer(1)
+    for i, r in enumerate(rows):
+        r.trajectory.completion_logprobs = lp[i, :len(r.trajectory.completion_ids)].tolist()
+        buf.add(r, ("s", 0), i)
+    assert tr.train_step(buf.take(1))["loss/kl_ref_weight_mean"] == pytest.approx(1.0, abs=1e-6)
 
 
 def test_staleness_eta_trains_with_its_importance_weight(tiny):

@@ -226,6 +226,31 @@ def test_unsolved_groups_are_set_aside_for_their_resample():
     assert [g.group_id for g in off.ready] == ["zero"] and not off.counters["superseded_unsolved"]
 
 
+def test_every_group_left_untrained_is_reported_once_with_its_reason():
+    """Failed, stale and superseded groups come out of ``take_drops`` (once, in order, with the oldest
+    behaviour version and the samples held); trained groups and duplicates do not. Drops that could not
+    be announced go back first. Their records are released for committing as soon as they drop."""
+    buf = GroupBuffer(max_staleness=0, resample_unsolved=6)
+    buf.add(scored("failed", 0, size=2, infra=True, version=2), ("s", 0), 0)
+    fill(buf, "old", [1, 0], version=1)
+    fill(buf, "fresh", [1, 0], version=3)
+    fill(buf, "unsolved", [0, 0], version=3)
+    assert buf.drop_stale(version=3) == 1
+    drops = buf.take_drops()
+    assert [(d.group_id, d.reason, d.behaviour_version, d.samples) for d in drops] == [
+        ("failed", "failed", 2, 1), ("unsolved", "superseded_unsolved", 3, 2), ("old", "stale", 1, 2)]
+    assert buf.take_drops() == [] and not buf.has_drops
+    fill(buf, "old", [1, 0], version=1)  # a redelivery of a dropped group is skipped, not reported again
+    buf.mark_trained(buf.take(1))
+    assert buf.take_drops() == []
+    buf.return_drops(drops[:1])
+    assert buf.has_drops and [d.group_id for d in buf.take_drops()] == ["failed"]
+    held = GroupBuffer(max_staleness=0)
+    held.add(scored("f", 0, size=2, infra=True), ("p", 0), 0)  # dropped at once: offset 0 is free
+    held.add(scored("partial", 0, size=2), ("p", 0), 1)
+    assert held.commit_offsets() == {("p", 0): 1} and [d.group_id for d in held.take_drops()] == ["f"]
+
+
 @pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
 def test_trainer_scores_at_the_sampling_temperature(tiny, temperature):
     """On-policy, the trainer's log-probs equal the rollout engine's behaviour log-probs (ratio 1)."""

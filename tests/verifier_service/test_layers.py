@@ -301,14 +301,16 @@ async def test_domain_recipe_applies_unless_the_task_brings_its_own():
     assert (await s.score(own, text, domain="agent")).total == 1.0
 
 
-async def test_hack_policy_zero_zeroes_a_flagged_reward_and_flag_only_reports_it():
+async def test_a_flagged_reward_is_zeroed_by_default_and_flag_only_reports_it():
     text = "<answer>4</answer> or maybe <answer>5</answer>"
-    flag = _spec({"kind": "regex", "pattern": "4"})
-    zero = _spec({"kind": "regex", "pattern": "4", "recipe": {"hack_policy": "zero"}})
+    default = _spec({"kind": "regex", "pattern": "4"})
+    flag = _spec({"kind": "regex", "pattern": "4", "recipe": {"hack_policy": "flag"}})
     s = Scorer(VerifierConfig())
     r = await s.score(flag, text)
-    assert r.total == 1.0 and "multiple_answers" in r.details["hacks"]
-    assert (await s.score(zero, text)).total == 0.0
+    assert r.total == 1.0 and "multiple_answers" in r.details["hacks"] and "zeroed_by" not in r.details
+    zeroed = await s.score(default, text)
+    assert zeroed.total == 0.0 and zeroed.details["zeroed_by"] == ["multiple_answers"]
+    assert zeroed.components == {"correctness": 1.0}
 
 
 @pytest.mark.parametrize("recipe,msg", [

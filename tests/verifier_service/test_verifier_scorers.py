@@ -126,7 +126,9 @@ async def test_math_equivalence_and_wrong_answer(scorer):
     ok = await scorer.score(MathSpec(answer="\\frac{1}{2}"), "so the result is 0.5")
     assert ok.total == 1.0 and not ok.infra_error, ok
     boxed = await scorer.score(MathSpec(answer="0.5"), "first 3 then \\boxed{\\frac{1}{2}}")
-    assert boxed.total == 1.0 and boxed.details["extracted_by"] == "boxed"
+    # math-verify reads the whole completion and takes the box (boxed_match_priority 0), not the 3
+    assert boxed.total == 1.0 and boxed.details["extracted_by"] == "full", boxed
+    assert boxed.details["answer_parsed"] == "1/2"
     wrong = await scorer.score(MathSpec(answer="\\frac{1}{2}"), "\\boxed{0.25}")
     assert wrong.total == 0.0 and not wrong.infra_error
     garbage = await scorer.score(MathSpec(answer="\\frac{1}{2}"), "I do not know")
@@ -181,7 +183,7 @@ async def test_math_timeout_is_infra_error_and_pool_recovers(scorer, monkeypatch
     assert r2.total == 1.0 and not r2.infra_error
 
 
-def _slow_compare(gold, answer, is_boxed):  # picklable by reference (module-level)
+def _slow_compare(gold, body, options):  # picklable by reference (module-level)
     time.sleep(30)
     return {"ok": True}
 

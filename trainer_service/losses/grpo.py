@@ -10,7 +10,7 @@ Formula (Shao et al. 2024, "DeepSeekMath", eq. 3; PPO, Schulman et al. 2017, eq.
 optimizer batch (``N`` is counted over the *whole* batch and passed in as ``normalizer``, so the
 gradient does not depend on the micro-batch split, :func:`batch_normalizer`):
 
-    token_mean           Σ_i Σ_t m_it ℓ_it / N_tokens                 (DAPO §3.3)
+    token_mean           Σ_i Σ_t m_it ℓ_it / N_tokens                 (DAPO §3.3; TRL "dapo", "bnpo")
     seq_mean_token_mean  Σ_i (Σ_t m_it ℓ_it / |o_i|) / N_sequences    (DeepSeekMath eq. 3; TRL "grpo")
     seq_mean_token_sum   Σ_i Σ_t m_it ℓ_it / (N_sequences · L_max)     (Dr. GRPO, Liu et al. 2025 §3.1:
                                                                        a constant, not the length)
