@@ -145,7 +145,8 @@ class Recipe(BaseModel):
     ``Σ_c w_c · component_c / Σ_c w_c`` over the weighted components that were computed.
     A detected reward hack (``verifier_service.hacks``: hedging, test tampering, instructions to the
     judge, degenerate repetition) is flagged in the details and counted, and under the default
-    ``hack_policy: zero`` sets the total to 0; ``flag`` only reports it.
+    ``hack_policy: zero`` sets the total to 0; ``flag`` only reports it. Instructions to the judge
+    zero only a recipe with a ``judge`` (elsewhere no grader reads them: they are only flagged).
     """
 
     model_config = ConfigDict(extra="forbid")

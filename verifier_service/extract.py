@@ -39,23 +39,43 @@ _WORD_NUMBER = re.compile(r"(?<![\w.])(?:(?<![\w)\]}.])-)?\d(?:[\d,]*\d)?(?:\.\d
 def extract_last_word_number(text: str) -> str | None:
     """Last number of ``text`` that stands as a word (see ``_WORD_NUMBER``), thousands commas removed, or None.
 
-    ``"so x = -3."`` gives ``"-3"``; ``"AZYUK2A"`` and ``"the 2nd"`` give None.
+    ``"so x = -3."`` gives ``"-3"``; ``"AZYUK2A"`` and ``"the 2nd"`` give None, and so does a last number
+    that is part of a larger expression (``"\\sqrt{2}"``, ``"x^2"``, ``"2!"``, ``"2%"``, ``"2:1"``,
+    ``"2 million"``): a fragment is not the answer, and no earlier number stands in for it.
     """
-    matches = _WORD_NUMBER.findall(text)
-    return matches[-1].replace(",", "") if matches else None
+    last = None
+    for last in _WORD_NUMBER.finditer(text):
+        pass
+    if last is None or _NUMBER_IN_EXPR_BEFORE.search(text, 0, last.start()) \
+            or _NUMBER_IN_EXPR_AFTER.match(text, last.end()):
+        return None  # the last number is part of a larger expression: no number stands as the answer
+    return last.group(0).replace(",", "")
+
+
+# The last number is a fragment when a bracket, ^, _, a command or an operator is before it, or a bracket,
+# power, %, !, ratio, command or scale word right after it ("\sqrt{2}", "x^2", "2!", "2 million").
+_NUMBER_IN_EXPR_BEFORE = re.compile(r"(?:[{}^_\\(\[]|\\[A-Za-z]+\s*|[+*/×·][ \t]*|\d[ \t]*:[ \t]*|[\w)\]}][ \t]*-[ \t]*)$")
+_NUMBER_IN_EXPR_AFTER = re.compile(r"[{}^_%!)\]\\]|:\s*\d|[ \t]*(?:\^|\\|[*/+×·]|-(?=[ \t]*[\w(]))|"
+                                   r"[ \t]+(?i:hundred|thousand|million|billion|trillion|percent)")
+
+
+_TAG_OPEN = re.compile(r"<\s*answer\s*>", re.IGNORECASE)
+_TAG_CLOSE = re.compile(r"<\s*/\s*answer\s*>", re.IGNORECASE)
 
 
 def answer_tag_spans(text: str) -> list[tuple[int, int]]:
     """(start, end) of the contents of every ``<answer>…</answer>`` in ``text`` in order (case-insensitive
-    tags; an opening tag without a closing one is ignored). Linear time."""
-    low, out, i = text.lower(), [], 0
-    while (a := low.find("<answer>", i)) >= 0:
-        b = low.find("</answer>", a + 8)
-        if b < 0:
+    tags, blanks inside them allowed: ``< answer >``, ``</answer >``; an opening tag without a closing
+    one is ignored). Linear time."""
+    out, i = [], 0
+    while (a := _TAG_OPEN.search(text, i)) is not None:
+        b = _TAG_CLOSE.search(text, a.end())
+        if b is None:
             break
-        a = low.rfind("<answer>", a, b)  # the innermost opening tag before this closing one
-        out.append((a + 8, b))
-        i = b + 9
+        while (n := _TAG_OPEN.search(text, a.end(), b.start())) is not None:
+            a = n  # the innermost opening tag before this closing one
+        out.append((a.end(), b.start()))
+        i = b.end()
     return out
 
 
@@ -136,7 +156,7 @@ _PLAIN_RUN = re.compile(rf"{_PLAIN_TOKEN}+")
 _HAS_SYMBOLIC = re.compile(_SYMBOLIC)
 _LEAD, _TRAIL = " \t,+*/^×·", " \t,+*/^×·-"  # trimmed from a span's ends (a leading "-" is a sign)
 _SQRT_CALL = re.compile(r"(?:(?<![A-Za-z\\])sqrt|√)\s*\(")
-_SQRT_ATOM = re.compile(r"√\s*(\d+(?:\.\d+)?|\\pi|[A-Za-z])")
+_SQRT_ATOM = re.compile(r"(?:√|(?<![A-Za-z\\])sqrt)\s*(\d+(?:\.\d+)?|\\pi|[A-Za-z](?![A-Za-z]))")
 _WORDS = [(re.compile(r"(?<![A-Za-z\\])pi(?![A-Za-z])|π"), r"\\pi "),
           (re.compile(r"(?<![A-Za-z\\])infinity(?![A-Za-z])|∞"), r"\\infty "),
           (re.compile(r"\*\*"), "^"), (re.compile(r"[×·]"), r" \\cdot ")]
@@ -153,7 +173,7 @@ def _closing_paren(s: str, i: int) -> int:
 
 
 def plain_math_to_latex(expr: str) -> str:
-    """A plain-text expression as LaTeX: ``pi``/``π`` → ``\\pi``, ``sqrt(x)``/``√(x)``/``√2`` →
+    """A plain-text expression as LaTeX: ``pi``/``π`` → ``\\pi``, ``sqrt(x)``/``√(x)``/``√2``/``sqrt2`` →
     ``\\sqrt{…}``, ``infinity``/``∞`` → ``\\infty``, ``**`` → ``^``, ``×``/``·`` → ``\\cdot``,
     ``^(k)`` → ``^{k}``.
 
@@ -271,3 +291,142 @@ def extract_json(text: str) -> tuple[Any, str | None]:
         except orjson.JSONDecodeError as e:
             err = f"invalid JSON: {e}"
     return None, err
+
+
+# ---------------------------------------------------------------- the answer a math completion states
+
+_UNICODE_MINUS = re.compile("[\u2212\ufe63\uff0d]|(?:(?<=^)|(?<=[\\s(=$]))[\u2012\u2013](?=\\s?\\d)", re.M)
+_FBOX = re.compile(r"\\fbox\s*\{")
+_BARE_BOX = re.compile(r"\\boxed[ \t]+(\\[A-Za-z]+|[-\w.]+)")
+
+
+def normalise_math_text(text: str) -> str:
+    """``text`` with Unicode minus signs (U+2212, U+FE63, U+FF0D, and a figure or en dash used as a
+    sign before a number) as ``-``, ``\\fbox{`` as ``\\boxed{`` and a brace-less ``\\boxed 3`` as
+    ``\\boxed{3}``."""
+    text = _UNICODE_MINUS.sub("-", text)
+    text = _FBOX.sub(r"\\boxed{", text)
+    return _BARE_BOX.sub(r"\\boxed{\1}", text)
+
+
+def box_spans(text: str) -> list[tuple[int, int]]:
+    """(start of ``\\boxed``, end after its closing brace) of every balanced ``\\boxed{…}``, in order."""
+    stack: list[int] = []
+    found: list[tuple[int, int]] = []
+    for m in _BRACES.finditer(text):
+        if m.group(0) == "}":
+            if stack:
+                start = stack.pop()
+                if start >= 0:
+                    found.append((start, m.end()))
+        else:
+            stack.append(m.start() if m.group(0) != "{" else -1)
+    return sorted(found)
+
+
+# A box that is an operand: a power, index, command, letter, digit or bracket right after it, an
+# operator after blanks, or one of ^ \cdot \times * / right before it.
+_OPERAND_AFTER = re.compile(r"[\^_\w({\[]|\\(?!text|quad|qquad|[,;!: )\]\\$]|end|right|\s|$)|[ \t]*(?:[\^_*/+]|\\cdot|\\times|-(?=[ \t]*[\w\\(]))")
+_OPERAND_BEFORE = re.compile(r"(?:[\^*/]|\\cdot|\\times)[ \t{]*$")
+
+
+def box_is_operand(text: str, start: int, end: int) -> bool:
+    """Whether the box ``text[start:end]`` is part of a larger expression (``\\boxed{2}^3``,
+    ``\\boxed{2}\\pi``, ``\\boxed{2} \\cdot 3``), so not an answer by itself."""
+    return bool(_OPERAND_AFTER.match(text, end) or _OPERAND_BEFORE.search(text[max(0, start - 12):start]))
+
+
+# "the answer is", "Answer:", "**Final answer:**", "it is", "the point is", "the solutions are", …
+_CUE = re.compile(r"(?i)\b(?:(?:final\s+)?answers?|results?|solutions?|values?|point|pair|interval|it)\b"
+                  r"[ \t*]*(?:is|are|was|would\s+be|should\s+be|:)(?![A-Za-z])[ \t*:]*|\bit's[ \t]+")
+_DELIMITED = re.compile(r"\$|\\\(|\\\[|\\boxed|\\begin\{")
+_CLAUSE = re.compile(r"(?i),?\s+(?:because|since|as|which|so|when|where|given|hence|thus|therefore)\b"
+                     r"|,\s+(?!(?:and|or|though|although|but|possibly|maybe|perhaps)\b)[A-Za-z]{2,}")
+_SENTENCE_END = re.compile(r"\.+(?=\s|$)|[;?]|\n")
+
+
+def final_statement(text: str, start: int = 0) -> tuple[int, str] | None:
+    """(position of the cue, the stated answer) of the last "the answer is …" / "Answer: …" / "it is …"
+    cue of ``text`` at or after ``start``: what follows the cue up to the end of its sentence (a ``.``
+    before a blank or the end, ``;``, ``?``, a newline, or a clause such as ", since …"). A weak cue ("it is", "the value is", not
+    "answer") counts only when math follows it ("I hope it is correct" states nothing). None when
+    there is no such cue."""
+    last = None
+    for m in _CUE.finditer(text, start):
+        rest = text[m.end():].lstrip(" \t")
+        if rest.startswith("\n"):
+            rest = rest.lstrip()
+        end = _SENTENCE_END.search(rest)
+        stated = rest[:end.start()] if end else rest
+        if clause := _CLAUSE.search(stated):
+            stated = stated[:clause.start()]  # "5, since 2 + 3 = 5", "5 because …"
+        stated = stated.strip(" \t*,")
+        strong = re.match(r"(?i)(?:final\s+)?answers?\b", m.group(0))
+        if stated and (strong or _MATH_START.match(stated)):
+            last = (m.start(), stated)
+    return last
+
+
+# What a weak cue ("it is", "the value is") must be followed by to state an answer ("it is correct" does not).
+_MATH_START = re.compile(r"[-\d$\\(\[{]|[A-Za-z](?![A-Za-z'])")
+
+
+def last_line(text: str) -> str:
+    """The last non-blank line of ``text`` without a trailing ``.``, ``,``, ``;``, blanks or ``**``."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return lines[-1].strip().strip("*").rstrip(" .,;").strip() if lines else ""
+
+
+_ALTERNATIVE = re.compile(r"(?i)\b(?:or|either|possibly|maybe|perhaps|alternatively)\b|\\vee\b|\\lor\b|\\text\{\s*or\s*\}|(?<=[\w}])\s*\|\s*(?=[\w\\])")
+_AND = re.compile(r"(?i)\band\b|\\text\{\s*and\s*\}")
+_SCALE = re.compile(r"(?i)\b(?:hundred|thousand|million|billion|trillion|percent|dozen)s?\b|%|\d(?:st|nd|rd|th)\b")
+_MATH_WORDS = {"sqrt", "pi", "infinity", "inf", "ln", "log", "sin", "cos", "tan", "exp", "frac", "and", "or",
+               "either", "cdot", "times", "le", "leq", "ge", "geq", "in", "cup", "cap", "infty", "dfrac", "tfrac",
+               "left", "right", "text", "mathrm", "circ", "pm", "mp", "neq"}
+_FUNCTION_WORD = re.compile(r"(?<![\\A-Za-z])(ln|log|sin|cos|tan|exp)(?![A-Za-z])")
+_WORDS_RE = re.compile(r"\\?[A-Za-z]{2,}")
+_LETTERS_DIGIT = re.compile(r"(?<![\\A-Za-z])([A-Za-z]+)\d")
+_SPACED_THOUSANDS = re.compile(r"-?\d{1,3}(?: \d{3})+(?:\.\d+)?")
+
+
+_HEDGE = re.compile(r"(?i)(?:^|[(,;])\s*(?:or|possibly|maybe|perhaps|alternatively)\b[\s\w$(]{0,12}?-?\d|\d[^.\n]{0,20}\b(?:is|are)\s+also\s+possible")
+
+
+def hedges(text: str) -> bool:
+    """Whether ``text`` (what follows a box) offers another number ("(or possibly 3)", "3 is also possible")."""
+    return bool(_HEDGE.search(text))
+
+
+def has_alternatives(text: str) -> bool:
+    """Whether ``text`` offers alternatives ("2 or 3", ``44 \\vee 45``, ``44 | 45``, "possibly 3")."""
+    return bool(_ALTERNATIVE.search(text))
+
+
+def plain_statement(stated: str) -> tuple[str | None, bool]:
+    """(the math of a plain-text stated answer, whether it is prose) for a statement without LaTeX
+    delimiters: ``"2x+1"`` gives ``"2x+1"``; a number followed only by unit words (``"18 dollars"``)
+    gives the number; words in the middle, scale words, ``%`` or an ordinal make it prose (None, True).
+    """
+    s = stated.strip().strip("*").rstrip(" .,;").strip()
+    if _SPACED_THOUSANDS.fullmatch(s):
+        s = s.replace(" ", "")  # "1 000 000"
+    if any(w.lower() not in _MATH_WORDS for w in _LETTERS_DIGIT.findall(s)):
+        return None, True  # a number glued after letters ("x2", "K2"): a code, not math
+    words = [w for w in _WORDS_RE.findall(s) if w.lstrip("\\").lower() not in _MATH_WORDS]
+    if not words:
+        return s or None, False
+    prose = [w for w in words if not w.startswith("\\")]
+    if not prose:
+        return s, False
+    head = s[:s.find(prose[0])].rstrip()
+    tail = s[s.find(prose[0]):]
+    if head and s[len(head)].isspace() and re.fullmatch(r"[A-Za-z ]+", tail) and not _SCALE.search(tail) and re.search(r"\d", head) \
+            and not re.search(r"[A-Za-z]$", head):
+        return head, False  # a number with its unit ("18 dollars")
+    return None, True
+
+
+def statement_as_latex(expr: str) -> str:
+    """A plain-text or bare-LaTeX answer as inline LaTeX (``$…$``), function words as commands."""
+    latex = _FUNCTION_WORD.sub(r"\\\1 ", plain_math_to_latex(expr)).strip()
+    return f"${latex}$"

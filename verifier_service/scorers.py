@@ -9,7 +9,8 @@
 
 Then :func:`compose` applies the recipe's gates and weights; reward-hacking detectors
 (:mod:`verifier_service.hacks`, hedging judged against the spec's gold) are flagged in the details and
-zero the total unless the recipe's ``hack_policy`` is ``flag``. The resulting :class:`Reward`:
+zero the total unless the recipe's ``hack_policy`` is ``flag`` (``judge_injection`` zeroes only a task
+whose recipe has a judge: elsewhere no grader reads the words, so it is only flagged). The resulting :class:`Reward`:
 
 * ``components``: every layer computed, each in [0, 1];
 * ``total``: 0 when a gate failed, else the weighted mean of the weighted components;
@@ -46,8 +47,11 @@ from verifier_service.config import VerifierConfig
 from verifier_service.deterministic import CheckResult, infra, ok_if
 from verifier_service.extract import (
     clip, extract_boxed, extract_code, extract_last_word_number, latexify_plain_math, strip_reasoning,
+    box_spans, box_is_operand, final_statement, has_alternatives, hedges, last_line, normalise_math_text,
+    plain_statement, statement_as_latex,
 )
-from verifier_service.hacks import detect_hacks, gold_shape
+from verifier_service.extract import _AND, _DELIMITED, _SCALE  # the stated answer's patterns
+from verifier_service.hacks import detect_hacks, gold_shape, zeroing_hacks
 from verifier_service.judge import JudgeClient
 from verifier_service.rules import run_rules
 
@@ -100,8 +104,9 @@ def compose(recipe: Recipe, correctness: CheckResult, rules: dict[str, CheckResu
     if gated_by:
         details["gated_by"] = gated_by
         total = 0.0
-    if hacks and recipe.hack_policy == "zero":  # the default: a detected hack earns nothing
-        details["zeroed_by"] = sorted(hacks)
+    zeroing = zeroing_hacks(hacks, recipe.judge is not None)  # judge injection zeroes only a judged task
+    if zeroing and recipe.hack_policy == "zero":  # the default: a detected hack earns nothing
+        details["zeroed_by"] = zeroing
         total = 0.0
     return Reward(total=total, components=components, details=details)
 
@@ -193,7 +198,10 @@ def math_verify_compare(gold: str, body: str, options: dict[str, Any]) -> dict[s
     using math-verify without its signal-based timeouts.
 
     Runs in the worker process of :class:`Scorer` (plain picklable values in and out), so that all of
-    the reading, ours included, is under the pool's time bound. The readings of ``body`` are
+    the reading, ours included, is under the pool's time bound. ``body`` is normalised first
+    (:func:`normalise_math_text`: Unicode minus signs, ``\\fbox``); a stated answer
+    (:func:`stated_answer`) is then the only reading, or rejects the completion (score 0, ``error``
+    says why, ``extracted_by`` is ``statement``). Otherwise the readings of ``body`` are
     :func:`math_candidates`, tried in order; the first in which math-verify finds an answer decides,
     parsed or not (an unparseable one is compared as text, as math-verify does): a later, looser
     reading is only a fallback for text math-verify finds nothing in, never a second chance (``$-[0,1)$`` is not read as its last number 1). One decision, so a
@@ -215,7 +223,13 @@ def math_verify_compare(gold: str, body: str, options: dict[str, Any]) -> dict[s
         out.update(error=err, gold_unparsed=True)
         return out
     targets = _targets(extraction, options["boxed_match_priority"])
-    for how, text in math_candidates(body, options):
+    body = normalise_math_text(body)
+    stated, rejected = stated_answer(body, gold)
+    if rejected:
+        out.update(error=rejected, extracted_by="statement")
+        return out
+    readings = [("statement", stated)] if stated is not None else math_candidates(body, options)
+    for how, text in readings:
         ans_p = parse(text, targets, parsing_timeout=None)
         if ans_p:  # math-verify found the answer here, parsed or only as text: it decides
             break
@@ -233,6 +247,79 @@ def math_verify_compare(gold: str, body: str, options: dict[str, Any]) -> dict[s
     return out
 
 
+_SET_PART = re.compile(r"(?i),|\bor\b|\band\b|\beither\b|\\text\{\s*(?:or|and)\s*\}")
+_VAR_EQ = re.compile(r"^\s*[A-Za-z](?:_\w)?\s*=\s*")
+
+
+def stated_answer(body: str, gold: str) -> tuple[str | None, str | None]:
+    """(the text to read instead of :func:`math_candidates`, why the completion states no single
+    answer) for a normalised completion (:func:`normalise_math_text`); (None, None) leaves the reading
+    to :func:`math_candidates`.
+
+    * The last box is not the answer when it is an operand (``\\boxed{2}^3``, ``\\boxed{2}\\pi``) or
+      offers alternatives (``44 \\vee 45``), or when hedged after it ("(or possibly 3)"): rejected.
+    * A stated answer ("the answer is …", "Answer: …", "it is …", see :func:`final_statement`) after
+      the last box (or anywhere, with no box) wins over the box: with LaTeX delimiters, the text from
+      the cue on is read; in plain text (bare LaTeX included), the statement up to the end of its
+      sentence is read as ``$…$``. With no cue and no box, a last line that is a bare ASCII expression
+      (``(1, 2)``, ``2\\sqrt{3}``, ``x = 1, y = 2``) is that statement (``π``, ``√``, ``°`` lines are
+      left to :func:`latexify_plain_math`).
+    * A plain statement is rejected when it is not one whole expression (words inside, unless it holds
+      one number standing as a word, "Sphere 3 hours ago"; a scale word, ``%``, an ordinal, ``!`` or a
+      ratio the gold lacks), or offers alternatives ("2 or 3", "either")
+      or several parts ("2 and 3") where the gold has none. Where the gold is a set, "1 or 2",
+      "1 and 2", "x = 1, 2" are read as that set.
+    """
+    gold_alt = has_alternatives(gold)
+    gold_multi = gold_alt or bool(_AND.search(gold)) or "," in gold
+    gold_set = "\\{" in gold
+    boxes = box_spans(body)
+    after = boxes[-1][1] if boxes else 0
+    if boxes:
+        a, b = boxes[-1]
+        if box_is_operand(body, a, b):
+            return None, "the last box is part of a larger expression, not the answer by itself"
+        if has_alternatives(body[a + 7:b - 1]) and not gold_alt:
+            return None, "the boxed answer offers alternatives"
+    st = final_statement(body, after)
+    if st is None:
+        if boxes:
+            tail = body[after:]
+            if hedges(tail) and not gold_alt:
+                return None, "the answer is hedged after its box"
+            return None, None
+        line = last_line(body)
+        if not re.search(r"[\dA-Za-z]", line) or not line.isascii() or _DELIMITED.search(line) or re.search(r"\\[)\]]", line) \
+                or plain_statement(line)[1]:
+            return None, None  # prose, or LaTeX math-verify reads itself
+        pos, stated = 0, line
+    else:
+        pos, stated = st
+    alt = has_alternatives(stated) and not gold_alt
+    several = bool(_AND.search(stated)) and not gold_multi
+    if _DELIMITED.search(stated):
+        if alt or several:
+            return None, "the stated answer offers alternatives"
+        return (body[pos:] if boxes else None), None
+    if _SCALE.search(stated) and not _SCALE.search(gold):
+        return None, f"the stated answer {stated!r} is a fragment (a scale word, percent or ordinal)"
+    if re.search(r"!|:\s*\d", stated) and not re.search(r"!|:", gold):
+        return None, f"the stated answer {stated!r} is a fragment (a factorial or ratio)"
+    expr, prose = plain_statement(stated)
+    if prose and len(re.findall(r"\d+(?:[.,]\d+)*", stated)) == 1:
+        expr = extract_last_word_number(stated)  # prose around one number standing as a word
+    if expr is None:
+        return None, f"the stated answer {stated!r} is not a whole expression"
+    if gold_set and _SET_PART.search(expr):
+        parts = [_VAR_EQ.sub("", p).strip() for p in _SET_PART.split(expr)]
+        parts = [p for p in parts if p]
+        if parts and not any(_VAR_EQ.match(p) or "=" in p for p in parts):
+            return "$\\{" + ", ".join(parts) + "\\}$", None
+    if alt or several:
+        return None, f"the stated answer {stated!r} offers alternatives"
+    return statement_as_latex(expr), None
+
+
 def math_candidates(body: str, options: dict[str, Any]) -> Iterator[tuple[str, str]]:
     """The ``(how, text)`` readings of a reasoning-stripped completion that :func:`math_verify_compare`
     tries, lazily (a reading is built only when the one before found nothing), under ``options``:
@@ -242,7 +329,9 @@ def math_candidates(body: str, options: dict[str, Any]) -> Iterator[tuple[str, s
        ``3*sqrt(2)``) rewritten as LaTeX first when the spec has the ``latex`` target;
     2. ``boxed``: the last ``\\boxed{}`` alone (unless ``boxed_match_priority`` is -1);
     3. ``last_number``: the last number standing as a word (``expr`` target only; never the 2 of
-       ``AZYUK2A``).
+       ``AZYUK2A``, and none when the last number is a fragment such as the 2 of ``\\sqrt{2}``).
+
+    Only used when :func:`stated_answer` finds no stated answer.
     """
     yield "full", latexify_plain_math(body) if "latex" in options["extraction"] else body
     boxed = extract_boxed(body) if options["boxed_match_priority"] >= 0 else None
@@ -293,7 +382,7 @@ class Scorer:
             hacks = detect_hacks(completion, isinstance(spec, CODE_KINDS), gold_shape(spec))
             judge = None
             so_far = {LAYER: correctness.score, **{k: v.score for k, v in rules.items()}}
-            zeroed = bool(hacks) and recipe.hack_policy == "zero"
+            zeroed = bool(zeroing_hacks(hacks, recipe.judge is not None)) and recipe.hack_policy == "zero"
             if recipe.judge is not None and not correctness.infra_error and not failed_gates(recipe, so_far) \
                     and not zeroed:  # a failed gate or a detected hack zeroes the reward: the judge's call would be wasted
                 judge = await asyncio.wait_for(self.judge.score(recipe.judge, prompt or [], completion),
@@ -405,10 +494,11 @@ class Scorer:
     async def score_math(self, spec: MathSpec, completion: str) -> CheckResult:
         """math-verify equivalence of the gold and the model answer, bounded by ``math_timeout_s``.
 
-        The answer is read from the completion after any reasoning block, in the order of
-        :func:`math_candidates` (the whole text with math-verify, then the last ``\\boxed{}``, then the
-        last number standing as a word), all in one worker call; the first reading in which math-verify
-        finds an answer decides.
+        The answer is read from the completion after any reasoning block: its stated answer
+        (:func:`stated_answer`: the last "the answer is …" after the last box, or a bare last line),
+        else in the order of :func:`math_candidates` (the whole text with math-verify, then the last
+        ``\\boxed{}``, then the last number standing as a word), all in one worker call; the first
+        reading in which math-verify finds an answer decides.
         The spec's math-verify options (:data:`MATH_OPTIONS`) apply to every reading.
 
         Returns 1 or 0 with details ``extracted`` (the text math-verify read), ``extracted_by``,

@@ -111,8 +111,10 @@ def test_the_last_number_fallback_is_word_bounded():
     assert extract_last_word_number("2nd try, 12cm, 5x") is None
     assert extract_last_word_number("so x = -3.") == "-3"
     assert extract_last_word_number("total: 1,234.") == "1234"
-    r = compare("2", "so it is (2)")  # math-verify finds nothing here; the fallback does
-    assert r["ok"] and r["extracted_by"] == "last_number", r
+    r = compare("2", "so it is (2)")  # math-verify finds nothing here; the stated answer is read
+    assert r["ok"] and r["extracted_by"] == "statement", r
+    for fragment in ("\\sqrt{2}", "x^2", "x^2+1", "2!", "2%", "2:1", "2 million", "(1, 2)", "2 - i", "\\log 2"):
+        assert extract_last_word_number(f"so we get {fragment}") is None, fragment
 
 
 def test_a_latex_answer_that_does_not_parse_is_not_replaced_by_its_last_number():
@@ -214,3 +216,62 @@ async def test_a_fragment_gold_is_misconfigured_not_a_zero():
         assert r.infra_error and r.details["misconfigured"], r
     assert "does not parse" in frag.details["reason"] and "unbalanced" in unclosed.details["reason"]
     assert fine.total == 0.0 and not fine.infra_error  # the model's miss, scored
+
+
+# ---------------------------------------------------------------- the stated answer (review of the math kind)
+
+FALSE_CREDIT = [  # (gold, completion): a wrong answer, never 1
+    # a number read out of a larger expression, bare LaTeX or plain text
+    *[("2", c) for c in [
+        "The answer is \\sqrt{2}", "The answer is 2\\pi.", "2\\sqrt{3}", "The answer is x^2", "The answer is 2^{10}",
+        "The answer is 2e3", "The answer is 2x+1", "The answer is 2i", "The answer is 2 - i", "The answer is 2!",
+        "The answer is 2:1", "The answer is log(2)", "The answer is \\log 2", "The answer is ln 2",
+        "The answer is 2 \\times 3", "The answer is (1, 2).", "The point is (1, 2)", "The answer is 2 thousand",
+        "The answer is 2 million", "The answer is 2%", "The answer is 2\\%", "The answer is 200%", "The answer is 2nd.",
+        "The answer is \u2212 2.", "The answer is 2cm... no wait 3", "The answer is 2 with remainder 1",
+        "The answer is 2 to 1"]],
+    ("3", "The answer is \\sqrt{3}"), ("3", "The answer is \u22123."), ("1", "The answer is x^2+1"),
+    # a box beaten by a later answer, or an operand of a larger expression
+    *[("2", c) for c in [
+        "\\boxed{2}\nThe answer is 3.", "\\boxed{2}\n**Answer:** 3", "\\boxed{2} (or possibly 3)",
+        "\\boxed{2}, though 3 is also possible", "\\boxed{2}\n\nHmm, on reflection it is 3.",
+        "We get $\\boxed{2}$ for the first part, so the final answer is 3.", "$\\boxed{2} \\cdot 3 = 6$. The answer is 6.",
+        "\\boxed{2}^3", "\\boxed{2}\\sqrt{3}", "$\\boxed{2}\\pi$", "\\fbox{3} \\boxed{2}", "\\boxed 3 \\boxed{2}",
+        "Maybe $\\boxed{2}$ but checking again the answer is $3$.", "\\boxed{2} or 3", "\\boxed{2}, or maybe 3",
+        "The answer is 2, though 3 is also possible"]],
+    ("8", "$2^3 = \\boxed{8}$ wait, the answer is 9"),
+    # alternatives where the gold has none
+    ("45", "\\boxed{44 \\vee 45}"), ("45", "\\boxed{44 \\lor 45}"), ("45", "\\boxed{44 | 45}"),
+    *[("2", c) for c in [
+        "The answer is 2 or 3.", "The final answer is 2 or 3.", "Either 3 or 2.", "Answer: 2 or 3",
+        "Final answer: 2 (or 3)", "The answer is 2 and 3", "The answers are 2 and 3", "The answer is $2$ or maybe $3$",
+        "x=2 or x=3"]],
+]
+
+FALSE_ZERO = [  # (gold, completion): a right answer, scored 1
+    ("(1,2)", "(1, 2)"), ("(1,2)", "The answer is (1, 2)."), ("(1,2)", "Final answer: (1, 2)"), ("(1,2)", "x = 1, y = 2"),
+    ("(1, 2)", "The ordered pair is (1, 2)."), ("k = 45 and n = 2", "k = 45, n = 2"),
+    ("\\{1, 2\\}", "x = 1 or x = 2"), ("\\{1, 2\\}", "The solutions are 1 and 2."), ("\\{1, 2\\}", "x = 1, 2"),
+    ("[1, 2)", "The interval is [1, 2)."), ("2\\pi", "The answer is 2\\pi."),
+    ("\\frac{\\sqrt{3}}{2}", "The answer is \\sqrt{3}/2"), ("\\frac{\\sqrt{3}}{2}", "The answer is \\frac{\\sqrt{3}}{2}"),
+    ("\\sqrt{2}", "The answer is \\sqrt{2}"), ("\\sqrt{2}", "The answer is sqrt2"), ("2^{10}", "The answer is 2^{10}"),
+    ("x^2+1", "The answer is x^2+1"), ("-3", "The answer is \u22123."), ("-3", "x = \u22123"), ("3", "The answer is -(-3)."),
+    ("1000000", "The answer is 1 000 000"), ("18", "The answer is 18 dollars."), ("3", "\\boxed{2}\nThe answer is 3."),
+    ("3", "Final Answer: Jane started growing Sphere 3 hours ago. I hope it is correct."),
+    ("12", "Final Answer: The final answer is 12. I hope it is correct."),
+    ("5", "The answer is 5, since 2+3=5."), ("5", "The answer is 5 because 2+3=5."), ("5", "2 + 3 = 5"),
+    ("2", "\\boxed{2}\nWe could also check with 3 or 4 cases."),
+    ("2", "\\boxed{2}. This is the smallest possible value since 1 < 2."),
+    ("(1,2)", "The answer is (1, 2), which is the point."),
+]
+
+
+@pytest.mark.parametrize("gold, completion", FALSE_CREDIT)
+def test_a_wrong_stated_answer_never_scores(gold, completion):
+    assert not compare(gold, completion)["ok"]
+
+
+@pytest.mark.parametrize("gold, completion", FALSE_ZERO)
+def test_a_right_stated_answer_scores(gold, completion):
+    r = compare(gold, completion)
+    assert r["ok"], r
