@@ -95,18 +95,8 @@ _BRACES = re.compile(r"\\boxed\{|\{|\}")
 
 def boxed_contents(text: str) -> list[str]:
     """Contents of every balanced ``\\boxed{…}`` in ``text``, in order of their start (nested braces
-    balanced; an unclosed one is skipped). One pass, linear time."""
-    stack: list[int] = []
-    found: list[tuple[int, str]] = []
-    for m in _BRACES.finditer(text):
-        if m.group(0) == "}":
-            if stack:
-                start = stack.pop()
-                if start >= 0:
-                    found.append((start, text[start:m.start()]))
-        else:
-            stack.append(m.end() if m.group(0) != "{" else -1)
-    return [c for _, c in sorted(found)]
+    balanced; an unclosed one is skipped). One pass, linear time (:func:`box_spans`)."""
+    return [text[a + len("\\boxed{"):b - 1] for a, b in box_spans(text)]
 
 
 def extract_boxed(text: str) -> str | None:
