@@ -13,6 +13,7 @@ ENV PYTHONUNBUFFERED=1 \
 WORKDIR /app
 COPY pyproject.toml ./
 COPY shared ./shared
+COPY flywheel ./flywheel
 COPY rollout_service ./rollout_service
 COPY trainer_service ./trainer_service
 COPY verifier_service ./verifier_service

@@ -51,10 +51,10 @@ def _setup(config_path: Path):
     import torch
 
     from rollout_service.torch_engine import TorchEngine
-    from shared.config import load_config
+    from flywheel.config import load_config
     from shared.model import load_model, load_tokenizer, resolve_model_dir
     from shared.schemas import Task
-    from shared.tasks import make_tasks
+    from flywheel.tasks import make_tasks
 
     cfg = load_config(config_path)
     torch.set_num_threads(2)
@@ -77,7 +77,7 @@ def _generate(cfg, tok, engine, tasks, rng):
     from shared.schemas import SamplingParams
 
     sp = SamplingParams(max_new_tokens=cfg.scheduler.max_tokens, temperature=cfg.scheduler.temperature)
-    batch = rng.sample(tasks, cfg.trainer.batch_groups)
+    batch = rng.sample(tasks, cfg.budget.batch_groups)
     prompts = [encode_chat(tok, [m.model_dump() for m in t.prompt]) for t in batch]
     return batch, prompts, engine.generate([GenerationRequest(p, t.samples_per_task, sp) for p, t in zip(prompts, batch)])
 
@@ -193,10 +193,10 @@ def flywheel(config_path: Path, steps: int) -> tuple[list[float], dict]:
     """Seconds between consecutive trainer steps of a ``flywheel run`` (from the metrics timestamps)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "shared.cli", "run", str(config_path), "--report", str(report),
-               "--set", f"trainer.max_steps={steps}", "--set", "scheduler.eval_every=0",
-               "--set", "scheduler.oversample=1.0",  # the loops generate exactly B groups per step
-               "--set", "scheduler.resample_unsolved=0",  # ... and no extra groups for unsolved ones
+        cmd = [sys.executable, "-m", "flywheel.cli", "run", str(config_path), "--report", str(report),
+               "--set", f"budget.max_steps={steps}", "--set", "scheduler.eval_every=0",
+               "--set", "budget.oversample=1.0",  # the loops generate exactly B groups per step
+               "--set", "budget.resample_unsolved=0",  # ... and no extra groups for unsolved ones
                "--set", "trainer.kl_coef=0",  # the reference loop has no KL term (no reference forward)
                "--set", "tasks.eval_size=0", "--set", "scheduler.eval_before_training=false",
                "--set", f"run.dir={tmp}/runs"]

@@ -109,7 +109,7 @@ def _broadcast_check(eng: SGLangEngine, model_dir: str, prompts: list[list[int]]
     import torch
     from transformers import AutoModelForCausalLM
 
-    from shared.broker import free_port
+    from flywheel.broker import free_port
     from shared.checkpoint import manifest, snapshot_weights
     from shared.weight_sync import WeightBroadcaster, WeightReceiver
 

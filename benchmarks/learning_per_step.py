@@ -12,7 +12,7 @@ reference loop's on the same items:
 - ``seed42``: the raw reasoning-gym dataset with seed 42 (``size=64``). reasoning-gym draws item i
   from seed + i, so these items are among the training items of nearby seeds.
 
-``--resample-unsolved N`` adds Flywheel's ``scheduler.resample_unsolved``: each group whose samples
+``--resample-unsolved N`` adds Flywheel's ``budget.resample_unsolved``: each group whose samples
 all fail is replaced by one fresh group of N samples of the same task (generated at once).
 
     python benchmarks/learning_per_step.py --steps 30 --seed 0 [--resample-unsolved 24]
@@ -51,7 +51,7 @@ def main() -> None:
     from rollout_service.engine import GenerationRequest
     from shared.model import encode_chat
     from shared.schemas import SamplingParams
-    from shared.tasks import make_tasks
+    from flywheel.tasks import make_tasks
     from trainer_service.losses import resolve_loss
 
     cfg, tok, engine, tasks, reward, _ = _setup(args.config)

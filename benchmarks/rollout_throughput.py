@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from rollout_service.engine import GenerationRequest  # noqa: E402
 from rollout_service.torch_engine import TorchEngine  # noqa: E402
-from shared.domains import humaneval  # noqa: E402
+from flywheel.domains import humaneval  # noqa: E402
 from shared.model import encode_chat, load_model, load_tokenizer, resolve_model_dir  # noqa: E402
 from shared.schemas import SamplingParams  # noqa: E402
 

@@ -12,7 +12,7 @@ the figure that matters is steps reached = ``--steps``.
     python benchmarks/runs_reach_max_steps.py --steps 200 [--oversample 1.25] [--keep]
 
 With ``--oversample`` the scheduler issues more groups per step than the trainer takes
-(``scheduler.oversample``): the surplus, mostly groups whose rewards are all equal, goes stale and is
+(``budget.oversample``): the surplus, mostly groups whose rewards are all equal, goes stale and is
 dropped every step, at η = 0 and η = 1 alike.
 
 Run directories go under a temporary folder and are deleted unless ``--keep``.
@@ -49,7 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
-    ap.add_argument("--oversample", type=float, default=1.0, help="scheduler.oversample (> 1: stale drops)")
+    ap.add_argument("--oversample", type=float, default=1.0, help="budget.oversample (> 1: stale drops)")
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="flywheel-drops-"))
@@ -63,12 +63,12 @@ def main() -> None:
                 report = work / f"{name}.json"
                 t0 = time.monotonic()
                 r = subprocess.run(
-                    [sys.executable, "-m", "shared.cli", "run", str(ROOT / "examples/toy.yaml"),
+                    [sys.executable, "-m", "flywheel.cli", "run", str(ROOT / "examples/toy.yaml"),
                      "--set", f"model.name={tiny}", "--set", f"run.dir={work / name}",
-                     "--set", f"trainer.max_staleness={eta}", "--set", f"rollout.weight_update_policy={policy}",
+                     "--set", f"budget.max_staleness={eta}", "--set", f"rollout.weight_update_policy={policy}",
                      "--set", "scheduler.max_tokens=48", "--set", "tasks.train_size=16",
-                     "--set", f"trainer.max_steps={args.steps}", "--set", "scheduler.eval_every=0",
-                     "--set", f"scheduler.oversample={args.oversample}",
+                     "--set", f"budget.max_steps={args.steps}", "--set", "scheduler.eval_every=0",
+                     "--set", f"budget.oversample={args.oversample}",
                      "--submit", str(extra), "--report", str(report), "--timeout", str(args.timeout)],
                     cwd=work, capture_output=True, text=True)
                 wall = time.monotonic() - t0

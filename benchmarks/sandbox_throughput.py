@@ -90,7 +90,7 @@ def _bwrap_argv(python: str) -> list[str]:
 async def main_async(a: argparse.Namespace) -> dict:
     import aiohttp
 
-    from shared.broker import free_port, stop_pid, wait_for_port
+    from flywheel.broker import free_port, stop_pid, wait_for_port
 
     trivial = [{"code": "print(1)"}]
     human_eval = _human_eval_bodies()

@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shared.broker import free_port, stop_pid  # noqa: E402
-from shared.domains import get  # noqa: E402
+from flywheel.broker import free_port, stop_pid  # noqa: E402
+from flywheel.domains import get  # noqa: E402
 from shared.schemas import Task  # noqa: E402
 from verifier_service.config import VerifierConfig  # noqa: E402
 from verifier_service.scorers import Scorer  # noqa: E402

@@ -75,7 +75,7 @@ def _checkpoint_seconds(tensors: dict, tmp: Path) -> float:
 def _case(tensors: dict, receivers: int, repeats: int, bucket: int, tmp: Path) -> dict:
     from safetensors.torch import save_file
 
-    from shared.broker import free_port
+    from flywheel.broker import free_port
     from shared.weight_sync import WeightBroadcaster
 
     like = tmp / "like.safetensors"
@@ -117,9 +117,9 @@ def _system_lag(transport: str, steps: int, tmp: Path) -> dict:
     import re
 
     run_dir = tmp / f"sys-{transport}"
-    cmd = [sys.executable, "-m", "shared.cli", "run", str(ROOT / "examples/toy.yaml"),
+    cmd = [sys.executable, "-m", "flywheel.cli", "run", str(ROOT / "examples/toy.yaml"),
            "--set", "model.name=smollm2-135m-instruct", "--set", f"run.dir={run_dir}",
-           "--set", f"trainer.max_steps={steps}", "--set", f"trainer.weight_transport={transport}",
+           "--set", f"budget.max_steps={steps}", "--set", f"weights.transport={transport}",
            "--set", "scheduler.eval_before_training=false", "--set", "trainer.micro_batch_size=8",
            "--set", "rollout.torch_threads=1", "--set", "trainer.torch_threads=1",
            "--report", str(tmp / f"{transport}.json"), "--timeout", "900"]

@@ -1,9 +1,10 @@
-"""``python -m rollout_service``: run the rollout service with the system config (YAML + environment)."""
+"""``python -m rollout_service``: run the rollout service with its own settings (``RolloutSettings``: its section and the
+shared ones, from the YAML file named by ``FLYWHEEL_CONFIG`` and the environment)."""
 
 import asyncio
 
+from rollout_service.config import RolloutSettings
 from rollout_service.main import run
-from shared.config import load_config
 
 if __name__ == "__main__":
-    asyncio.run(run(load_config()))
+    asyncio.run(run(RolloutSettings.load()))

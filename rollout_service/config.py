@@ -4,6 +4,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shared.config import Settings, WeightsConfig
+
 
 class RolloutConfig(BaseModel):
     """Rollout settings. Env names: ``FLYWHEEL_ROLLOUT__<FIELD>``."""
@@ -27,8 +29,8 @@ class RolloutConfig(BaseModel):
     """``torch.set_num_threads`` for this process; two cores must not be oversubscribed."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Weights dtype of the torch engine."""
-    sandbox_url: str | None = None
-    """Sandbox of the tool loop (``run_python``, ``run_tests``); ``None`` = ``verifier.sandbox_url``."""
+    sandbox_url: str = "http://127.0.0.1:8100"
+    """Base URL of the sandbox the tool loop calls (``run_python``, ``run_tests``)."""
     tool_timeout_s: float = Field(10.0, gt=0, le=300)
     """Time limit of one tool call in the sandbox (seconds)."""
     max_trajectory_tokens: int = Field(1024, ge=1, le=131072)
@@ -41,3 +43,10 @@ class RolloutConfig(BaseModel):
     """How often to look for a newer weight version while waiting for ``min_policy_version`` (seconds)."""
     seed: int = 0
     """Base seed of the sampler; each batch reseeds from it and the batch counter."""
+
+
+class RolloutSettings(Settings):
+    """What the rollout process reads: its section, the shared ``weights``, and ``kafka``, ``model``, ``run``."""
+
+    weights: WeightsConfig = WeightsConfig()
+    rollout: RolloutConfig = RolloutConfig()

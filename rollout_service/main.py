@@ -26,7 +26,7 @@ from opentelemetry import trace
 from rollout_service.engine import Engine, GenerationRequest, Sample
 from shared import kafka, topics
 from shared.checkpoint import CheckpointStore
-from shared.config import FlywheelConfig
+from rollout_service.config import RolloutSettings
 from shared.model import encode_chat, load_model, load_tokenizer, resolve_model_dir
 from shared.schemas import DecodeError, Metrics, RolloutRequest, Trajectory, VersionSpan, WeightUpdate, decode
 from shared.telemetry import extract_context
@@ -34,7 +34,7 @@ from shared.telemetry import extract_context
 log = logging.getLogger("rollout")
 
 
-def build_engine(config: FlywheelConfig):
+def build_engine(config: RolloutSettings):
     """The configured engine (``torch`` in process, or ``sglang`` at ``rollout.sglang_url``, waited for
     until ready) and the tokenizer.
 
@@ -108,8 +108,8 @@ class BroadcastFollower:
     requests in flight continue under the new version, their spans tagged). A failed session leaves the
     version to the checkpoint file."""
 
-    def __init__(self, config: FlywheelConfig, engine: Engine, watcher: WeightWatcher) -> None:
-        self.tc = config.trainer
+    def __init__(self, config: RolloutSettings, engine: Engine, watcher: WeightWatcher) -> None:
+        self.wc = config.weights
         self.engine, self.watcher = engine, watcher
         self.id = f"rollout-{socket.gethostname()}-{os.getpid()}"
         self.staged: tuple[int, dict] | None = None
@@ -131,8 +131,8 @@ class BroadcastFollower:
         receiver = None
         while receiver is None and not stop.is_set():
             try:  # the trainer may start after us
-                receiver = await asyncio.to_thread(WeightReceiver, self.tc.broadcast_host, self.tc.broadcast_port,
-                                                   self.id, self.tc.broadcast_timeout_s, self.tc.broadcast_backend,
+                receiver = await asyncio.to_thread(WeightReceiver, self.wc.broadcast_host, self.wc.broadcast_port,
+                                                   self.id, self.wc.broadcast_timeout_s, self.wc.broadcast_backend,
                                                    width=self.engine.broadcast_width)
             except (RuntimeError, OSError) as e:
                 log.info("weight broadcast store not reachable yet (%s); retrying", e)
@@ -160,8 +160,8 @@ class BroadcastFollower:
                         rank, world = await asyncio.to_thread(receiver.session, v)
                         plan = await asyncio.to_thread(receiver.plan, v)
                         took = await asyncio.to_thread(self.engine.receive_broadcast, self.watcher.updates[v], rank,
-                                                       world, plan, self.tc.broadcast_host, self.tc.broadcast_port,
-                                                       self.tc.broadcast_backend, self.tc.broadcast_timeout_s)
+                                                       world, plan, self.wc.broadcast_host, self.wc.broadcast_port,
+                                                       self.wc.broadcast_backend, self.wc.broadcast_timeout_s)
                     else:
                         self.staged = (v, await asyncio.to_thread(receiver.receive, v, like))
                     if took:
@@ -188,7 +188,7 @@ class BroadcastFollower:
         broadcast timeout); None when there are none: this engine is not in the session, the session
         failed, or the server received them in place (its ``policy_version`` then says so)."""
         v = update.version
-        deadline = time.monotonic() + self.tc.broadcast_timeout_s + 5
+        deadline = time.monotonic() + self.wc.broadcast_timeout_s + 5
         while self.member(update) and (v not in self._seen or self.receiving == v) and time.monotonic() < deadline:
             self.received.clear()
             try:
@@ -251,7 +251,7 @@ def prompt_messages(req: RolloutRequest, system_prompt: str | None) -> list[dict
     return msgs
 
 
-async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None:
+async def run(config: RolloutSettings, stop: asyncio.Event | None = None) -> None:
     """Run the rollout service until ``stop`` is set (SIGTERM/SIGINT set it when ``stop`` is None)."""
     stop, _ = kafka.prepare_service("rollout", config, stop)
     cfg = config.rollout
@@ -267,7 +267,7 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
     await requests.start()
     await weights.start()
     follower = asyncio.create_task(watcher.follow(weights, stop))
-    bfollow = BroadcastFollower(config, engine, watcher) if config.trainer.weight_transport == "distributed" else None
+    bfollow = BroadcastFollower(config, engine, watcher) if config.weights.transport == "distributed" else None
     bcast = asyncio.create_task(bfollow.run(stop)) if bfollow is not None else None
     if engine.receives_in_server and bfollow is not None and cfg.weight_update_policy == "finish":
         log.warning("rollout.weight_update_policy=finish: an SGLang server takes a broadcast version as it "
@@ -445,7 +445,7 @@ async def _tool_groups(config, engine: Engine, tok, items: list, producer, stats
     from rollout_service.tool_loop import ToolRunner, run_tool_loop
 
     cfg = config.rollout
-    runner = ToolRunner(cfg.sandbox_url or config.verifier.sandbox_url, cfg.tool_timeout_s)
+    runner = ToolRunner(cfg.sandbox_url, cfg.tool_timeout_s)
     try:
         async def one(r: RolloutRequest, h) -> None:
             picked, t0 = time.time(), time.perf_counter()

@@ -4,6 +4,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shared.config import Settings
+
 Layer = Literal["cgroups", "landlock", "namespaces", "seccomp", "uid"]
 
 
@@ -62,3 +64,9 @@ class SandboxConfig(BaseModel):
     breaker_cooldown_s: float = Field(10.0, gt=0, le=3600)
     """Circuit breaker: seconds it stays open (HTTP 503, /healthz 503) before the service runs a canary
     execution as its trial (success closes it, failure starts another cool-down)."""
+
+
+class SandboxSettings(Settings):
+    """What the sandbox process reads: its section and ``kafka``, ``model``, ``run``."""
+
+    sandbox: SandboxConfig = SandboxConfig()

@@ -6,11 +6,11 @@ import uvicorn
 
 from sandbox_service.api import check_isolation, create_app
 from sandbox_service.isolation import probe
-from shared.config import FlywheelConfig
+from sandbox_service.config import SandboxSettings
 from shared.telemetry import setup_logging
 
 
-async def run(config: FlywheelConfig) -> None:
+async def run(config: SandboxSettings) -> None:
     """Serve the sandbox API on ``config.sandbox.host:port`` until the process is told to stop.
 
     Raises:

@@ -7,14 +7,14 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI
 
-from shared.config import FlywheelConfig
+from scheduler_service.config import SchedulerSettings
 from shared.http import install_validation_handler
 
 from scheduler_service.routes import evals, status, tasks
 from scheduler_service.state import SchedulerState
 
 
-def create_app(config: FlywheelConfig, state: SchedulerState) -> FastAPI:
+def create_app(config: SchedulerSettings, state: SchedulerState) -> FastAPI:
     """The REST API over ``state``; its lifespan starts the producer and sampler and stops them.
 
     Routes: ``POST/GET /v1/tasks``, ``POST/GET /v1/evals``, ``GET /v1/status``,

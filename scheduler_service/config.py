@@ -4,6 +4,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shared.config import BudgetConfig, Settings
+
 
 class SchedulerConfig(BaseModel):
     """Scheduler settings. Env names: ``FLYWHEEL_SCHEDULER__<FIELD>``."""
@@ -36,19 +38,6 @@ class SchedulerConfig(BaseModel):
     A task the policy only just started to solve is sampled again while it still teaches something."""
     replay_fraction: float = Field(0.5, ge=0.0, le=1.0)
     """Largest share of newly issued groups given to partly solved tasks (``curriculum: learnability``)."""
-    oversample: float = Field(1.0, ge=1.0, le=8.0)
-    """Training groups issued per trainer step, as a multiple of ``trainer.batch_groups`` (rounded up).
-    Above 1 the trainer picks the groups whose rewards differ first (DAPO-style dynamic sampling,
-    Yu et al. 2025 §3.2): a group with equal rewards has zero advantage and teaches nothing."""
-    resample_unsolved: int = Field(0, ge=0, le=1024)
-    """Samples of one extra group for a task whose training group came back unsolved: no sample
-    passed and all rewards equal, so every advantage is 0 (0 = off). The extra group replaces it:
-    it is sent on the sampler's next pass, at most once per original group, outside the issue
-    budget (in flight like any group), and the trainer sets the unsolved group aside. A larger
-    group finds the rare correct answers of tasks the policy almost never solves, which plain
-    K-sample GRPO never learns from: the adaptive per-task rollout budgets of Knapsack RL (Li et
-    al. 2025, arXiv:2509.25849), reduced to one retry. With a per-sequence loss mean
-    (``trainer.loss_agg``), a larger group weighs more in its step."""
     poll_interval_s: float = Field(0.05, gt=0, le=10)
     """How often the sampler loop looks for capacity (seconds)."""
     seed: int = 0
@@ -61,3 +50,10 @@ class SchedulerConfig(BaseModel):
     """Window of ``throughput_samples_per_s`` in ``GET /v1/status`` (seconds)."""
     recent_samples: int = Field(256, ge=1, le=1_000_000)
     """Train reward events kept for the recent reward mean and staleness in ``GET /v1/status``."""
+
+
+class SchedulerSettings(Settings):
+    """What the scheduler process reads: its section, the shared ``budget``, and ``kafka``, ``model``, ``run``."""
+
+    budget: BudgetConfig = BudgetConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uvicorn
 
-from shared.config import FlywheelConfig
+from scheduler_service.config import SchedulerSettings
 from shared.telemetry import setup_logging, setup_tracing
 
 from scheduler_service.api import create_app
@@ -12,7 +12,7 @@ from scheduler_service.registry import Registry
 from scheduler_service.state import SchedulerState
 
 
-async def run(config: FlywheelConfig) -> None:
+async def run(config: SchedulerSettings) -> None:
     """Serve the scheduler until SIGTERM/SIGINT (uvicorn handles them and runs the lifespan shutdown).
 
     Raises:

@@ -18,8 +18,8 @@ Three loops in one asyncio task group, each stopping within about one poll inter
 
 Tasks are chosen fewest-groups-first with a seeded RNG breaking ties (epochs over the
 dataset), optionally with the learnability curriculum (``scheduler.curriculum``), oversampling
-(``scheduler.oversample``) and one larger re-sample of each unsolved group
-(``scheduler.resample_unsolved``, written by the rewards loop when the group completes and sent
+(``budget.oversample``) and one larger re-sample of each unsolved group
+(``budget.resample_unsolved``, written by the rewards loop when the group completes and sent
 by the issue loop like a pending eval group).
 """
 
@@ -178,11 +178,11 @@ class Sampler:
         log.info("policy version %d: automatic eval round %s", v, rid)
 
     async def _issue_training(self) -> None:
-        tc = self.cfg.trainer
+        tc = self.cfg.budget
         if self.registry.policy_version >= tc.max_steps:
             return  # the trainer is done: a slot given back now would only generate waste
         issued, in_flight = self.registry.train_group_counts()
-        per_step = math.ceil(tc.batch_groups * self.cfg.scheduler.oversample)
+        per_step = math.ceil(tc.batch_groups * tc.oversample)
         budget = training_budget(self.registry.policy_version, per_step, tc.max_staleness, tc.max_steps,
                                  issued, in_flight)
         if budget > 0 and self.cfg.scheduler.curriculum == "learnability":
@@ -287,9 +287,9 @@ class Sampler:
         ev = await decode_or_dead_letter(self.state.producer, msg, RewardEvent, self.name)
         if ev is None:
             return
-        sc = self.cfg.scheduler
+        budget = self.cfg.budget
         # no re-samples once the trainer is done: nothing would train them
-        resample_n = sc.resample_unsolved if self.registry.policy_version < self.cfg.trainer.max_steps else 0
+        resample_n = budget.resample_unsolved if self.registry.policy_version < budget.max_steps else 0
         outcome = self.registry.record_reward(ev, resample_n)
         # only events of this registry's groups (another deployment's tasks are not ours to pause)
         if ev.misconfigured and outcome.new and self.registry.pause_domain(ev.domain, ev.reason or "misconfigured",

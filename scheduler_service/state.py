@@ -16,7 +16,7 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 
 from shared import topics
-from shared.config import FlywheelConfig
+from scheduler_service.config import SchedulerSettings
 from shared.kafka import ensure_topics, make_producer, send
 from shared.schemas import Metrics, RewardEvent, Task
 
@@ -91,7 +91,7 @@ class SchedulerState:
             published and no sampler runs.
     """
 
-    def __init__(self, config: FlywheelConfig, registry: Registry, *, kafka: bool = True) -> None:
+    def __init__(self, config: SchedulerSettings, registry: Registry, *, kafka: bool = True) -> None:
         self.config = config
         self.registry = registry
         self.kafka = kafka

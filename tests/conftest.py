@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from shared.broker import EmbeddedBroker, free_port, stop_pid
+from flywheel.broker import EmbeddedBroker, free_port, stop_pid
 from shared.config import KafkaConfig
 
 

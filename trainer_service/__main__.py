@@ -1,9 +1,10 @@
-"""``python -m trainer_service``: run the trainer with the system config (YAML + environment)."""
+"""``python -m trainer_service``: run the trainer with its own settings (``TrainerSettings``: its section and the
+shared ones, from the YAML file named by ``FLYWHEEL_CONFIG`` and the environment)."""
 
 import asyncio
 
-from shared.config import load_config
+from trainer_service.config import TrainerSettings
 from trainer_service.main import run
 
 if __name__ == "__main__":
-    asyncio.run(run(load_config()))
+    asyncio.run(run(TrainerSettings.load()))

@@ -25,7 +25,7 @@ from aiokafka import TopicPartition
 
 from shared import kafka, topics
 from shared.checkpoint import CheckpointStore, load_weights, snapshot_weights
-from shared.config import FlywheelConfig
+from trainer_service.config import TrainerSettings
 from shared.model import load_model, load_tokenizer, resolve_model_dir
 from shared.schemas import GroupDropped, Metrics, ScoredTrajectory
 from trainer_service.groups import GroupBuffer
@@ -34,7 +34,7 @@ from trainer_service.trainer import PolicyTrainer
 log = logging.getLogger("trainer")
 
 
-def build_trainer(config: FlywheelConfig) -> tuple[PolicyTrainer, CheckpointStore, set[str]]:
+def build_trainer(config: TrainerSettings) -> tuple[PolicyTrainer, CheckpointStore, set[str]]:
     """Model, optimizer and checkpoint store, resumed at the newest published version when there is one.
 
     Normally that version is complete and the resume is exact. If the trainer died after publishing
@@ -50,7 +50,7 @@ def build_trainer(config: FlywheelConfig) -> tuple[PolicyTrainer, CheckpointStor
     torch.manual_seed(cfg.seed)
     model_dir = resolve_model_dir(config.model.name, config.model.cache_dir)
     tok = load_tokenizer(model_dir)
-    trainer = PolicyTrainer(load_model(model_dir, cfg.dtype), cfg, tok.pad_token_id)
+    trainer = PolicyTrainer(load_model(model_dir, cfg.dtype), cfg, tok.pad_token_id, config.budget.max_steps)
     store = CheckpointStore(config.run.path(config.run.checkpoint_dir), cfg.keep_checkpoints)
     done: set[str] = set()
     complete, published = store.latest(), store.newest_published()
@@ -71,22 +71,23 @@ def build_trainer(config: FlywheelConfig) -> tuple[PolicyTrainer, CheckpointStor
     return trainer, store, done
 
 
-async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None:
+async def run(config: TrainerSettings, stop: asyncio.Event | None = None) -> None:
     """Run the trainer until ``stop`` is set (SIGTERM/SIGINT set it when ``stop`` is None)."""
     stop, _ = kafka.prepare_service("trainer", config, stop)
     cfg = config.trainer
     trainer, store, done = await asyncio.to_thread(build_trainer, config)
-    buffer = GroupBuffer(cfg.max_staleness, done, config.scheduler.resample_unsolved)
+    buffer = GroupBuffer(config.budget.max_staleness, done, config.budget.resample_unsolved)
     await kafka.ensure_topics(config.kafka)
     producer = kafka.make_producer(config.kafka, "trainer")
     consumer = kafka.make_consumer(config.kafka, topics.SCORED, group_id="trainer", client_id="trainer")
     broadcaster = None
-    if cfg.weight_transport == "distributed":
+    if config.weights.transport == "distributed":
         from shared.weight_sync import WeightBroadcaster
 
-        broadcaster = await asyncio.to_thread(WeightBroadcaster, cfg.broadcast_host, cfg.broadcast_port,
-                                              cfg.broadcast_backend, cfg.broadcast_timeout_s)
-        log.info("weight broadcast store on %s:%d", cfg.broadcast_host, cfg.broadcast_port)
+        broadcaster = await asyncio.to_thread(WeightBroadcaster, config.weights.broadcast_host,
+                                              config.weights.broadcast_port, config.weights.broadcast_backend,
+                                              config.weights.broadcast_timeout_s)
+        log.info("weight broadcast store on %s:%d", config.weights.broadcast_host, config.weights.broadcast_port)
     await producer.start()
     latest = store.newest_published()
     if latest is not None:  # re-announce: the broker may have lost the record (or it was never sent)
@@ -101,12 +102,12 @@ async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None
                 for msg in msgs:
                     scored = await kafka.decode_or_dead_letter(producer, msg, ScoredTrajectory, "trainer")
                     buffer.add(scored, (tp.topic, tp.partition), msg.offset)
-            if trainer.version < cfg.max_steps:
+            if trainer.version < config.budget.max_steps:
                 buffer.drop_stale(trainer.version)
             if buffer.has_drops:
                 await _announce_drops(producer, buffer, trainer.version)
-            if trainer.version < cfg.max_steps:
-                if len(buffer.ready) >= cfg.batch_groups:
+            if trainer.version < config.budget.max_steps:
+                if len(buffer.ready) >= config.budget.batch_groups:
                     wait_s = time.perf_counter() - last_step_end
                     publishing = await _step(config, trainer, store, buffer, producer, wait_s, publishing,
                                              broadcaster)
@@ -159,13 +160,13 @@ async def _announce_drops(producer, buffer: GroupBuffer, version: int) -> None:
                  "scheduler", d.group_id, d.reason, d.behaviour_version, version, d.samples)
 
 
-async def _step(config: FlywheelConfig, trainer: PolicyTrainer, store: CheckpointStore, buffer: GroupBuffer,
+async def _step(config: TrainerSettings, trainer: PolicyTrainer, store: CheckpointStore, buffer: GroupBuffer,
                 producer, wait_s: float, previous: asyncio.Task | None, broadcaster=None) -> asyncio.Task:
     """Train one step now; return the task that makes it durable and announces it (after ``previous``)."""
     cfg = config.trainer
-    # with oversampling (scheduler.oversample > 1) the scheduler issues more groups than a step takes:
+    # with oversampling (budget.oversample > 1) the scheduler issues more groups than a step takes:
     # pick those whose rewards differ first; the rest wait for the next step or go stale (counted)
-    groups = buffer.take(cfg.batch_groups, prefer_informative=config.scheduler.oversample > 1)
+    groups = buffer.take(config.budget.batch_groups, prefer_informative=config.budget.oversample > 1)
     metrics = await asyncio.to_thread(trainer.train_step, groups)
     t0 = time.perf_counter()
     done = buffer.done_groups | buffer.in_flight  # includes earlier steps still being saved
@@ -179,7 +180,7 @@ async def _step(config: FlywheelConfig, trainer: PolicyTrainer, store: Checkpoin
                                         trainer.version, trainer.step, previous, broadcaster))
 
 
-async def _publish(config: FlywheelConfig, store: CheckpointStore, buffer: GroupBuffer, producer, groups,
+async def _publish(config: TrainerSettings, store: CheckpointStore, buffer: GroupBuffer, producer, groups,
                    weights, state, metrics: dict, version: int, step: int, previous: asyncio.Task | None,
                    broadcaster=None) -> None:
     if previous is not None:

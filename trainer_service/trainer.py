@@ -20,6 +20,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from shared.config import BudgetConfig
 from shared.schemas import ScoredTrajectory
 from trainer_service.config import TrainerConfig
 from trainer_service.groups import Group
@@ -123,11 +124,11 @@ def completion_logprobs(model: torch.nn.Module, batch: Batch, autocast_bf16: boo
     return logp.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
 
 
-def lr_factor(cfg: TrainerConfig, step: int) -> float:
+def lr_factor(cfg: TrainerConfig, max_steps: int, step: int) -> float:
     """Multiplier of ``cfg.lr`` for optimizer step ``step`` (0-based; the step about to be taken).
 
     Linear warm-up over ``lr_warmup_steps`` ((step + 1) / warm-up), then constant or a cosine from 1 to
-    ``lr_min_ratio`` reached at ``max_steps - 1``: r + (1 − r) · (1 + cos(π · t)) / 2 with t the
+    ``lr_min_ratio`` reached at ``max_steps - 1`` (``budget.max_steps``): r + (1 − r) · (1 + cos(π · t)) / 2 with t the
     fraction of the post-warm-up steps done.
     """
     warmup = cfg.lr_warmup_steps
@@ -135,7 +136,7 @@ def lr_factor(cfg: TrainerConfig, step: int) -> float:
         return (step + 1) / warmup
     if cfg.lr_schedule == "constant":
         return 1.0
-    span = max(1, cfg.max_steps - 1 - warmup)
+    span = max(1, max_steps - 1 - warmup)
     t = min(1.0, (step - warmup) / span)
     return cfg.lr_min_ratio + (1.0 - cfg.lr_min_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
 
@@ -147,7 +148,8 @@ class PolicyTrainer:
     ``cfg.kl_coef > 0`` a frozen copy of the model as given (the base policy) is the KL reference.
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, pad_id: int) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, pad_id: int,
+                 max_steps: int = BudgetConfig().max_steps) -> None:
         self.model = model
         self.cfg = cfg
         self.pad_id = pad_id
@@ -160,7 +162,7 @@ class PolicyTrainer:
                 p.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay)
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_factor, cfg))
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_factor, cfg, max_steps))
         self.step = 0
         self.version = 0
 

@@ -18,7 +18,6 @@ from typing import Any
 import orjson
 import regex
 
-from shared.domains.reasoning_gym import TUPLE_METADATA, WRAPPED
 from shared.scene import SceneError, parse_scene, score_scene
 from shared.verifier_specs import (
     ExactSpec, FieldSpec, GeometrySpec, JsonFieldsSpec, NumericSpec, ReasoningGymSpec, RegexSpec,
@@ -198,9 +197,21 @@ def score_geometry(spec: GeometrySpec, completion: str) -> CheckResult:
 
 # ---------------------------------------------------------------- reasoning-gym
 
-LENIENT_SCORERS = WRAPPED
-"""Datasets whose own scorer accepts wrong answers: scored here by exact comparison with the gold
-answer instead (case- and whitespace-folded). See ``shared.domains.reasoning_gym`` for the catalog."""
+LENIENT_SCORERS: dict[str, str] = {
+    "game_of_life_halting": "its scorer gives 1.0 to any non-empty answer: compared with the gold answer instead",
+}
+"""reasoning-gym generators whose own scorer accepts wrong answers: scored here by exact comparison with
+the gold answer instead (case- and whitespace-folded), with the reason (``flywheel.domains.reasoning_gym``
+re-exports these tables as the domain's catalog)."""
+
+TUPLE_METADATA_SCORERS = frozenset({"arc_agi", "rearc"})
+"""Generators whose scorer compares the answer with tuples in ``entry["metadata"]``: JSON carries them as
+lists, so the verifier turns lists back into tuples before scoring."""
+
+SLOW_SCORERS: dict[str, float] = {"intermediate_integration": 820.0, "simple_integration": 18.0, "codeio": 1.7,
+                                  "polynomial_multiplication": 1.7, "sokoban": 1.5}
+"""Generators whose scorer takes over a millisecond (measured ms per call): scored in the verifier's
+process pool, not inline."""
 
 _rg_cache: dict[str, Any] = {}
 _rg_lock = threading.Lock()
@@ -258,7 +269,7 @@ def score_reasoning_gym(spec: ReasoningGymSpec, completion: str) -> CheckResult:
     except Exception as e:  # noqa: BLE001 - any failure here is ours, not the model's
         return infra(f"cannot create reasoning-gym dataset {spec.dataset!r}: {e!r}", misconfigured=True)
     entry = spec.entry
-    if spec.dataset in TUPLE_METADATA:
+    if spec.dataset in TUPLE_METADATA_SCORERS:
         entry = {**entry, "metadata": _tuples(entry.get("metadata", {}))}
     try:
         raw = ds.score_answer(answer, entry=entry)

@@ -26,35 +26,12 @@ from typing import Any
 
 import httpx
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field
 
 from shared.verifier_specs import JudgeRubric
+from verifier_service.config import JudgeConfig
 from verifier_service.deterministic import CheckResult, infra
 from verifier_service.extract import clip
-
-
-class JudgeConfig(BaseModel):
-    """The judge endpoint (section ``verifier.judge``). Env: ``FLYWHEEL_VERIFIER__JUDGE__<FIELD>``."""
-
-    model_config = ConfigDict(extra="forbid")
-    base_url: str | None = None
-    """OpenAI-compatible base URL, e.g. ``https://api.openai.com/v1`` or ``http://vllm:8000/v1``;
-    ``None`` = no judge (a recipe with a judge then gives infra_error, flagged ``misconfigured``)."""
-    model: str = "gpt-4o-mini"
-    api_key: SecretStr | None = None
-    """API key; ``None`` = the environment variable named by ``api_key_env`` (may be unset for local servers)."""
-    api_key_env: str = "OPENAI_API_KEY"
-    timeout_s: float = Field(60.0, gt=0, le=600)
-    """Bound of one judge request (seconds)."""
-    max_concurrency: int = Field(8, ge=1, le=1024)
-    temperature: float = Field(0.0, ge=0, le=2)
-    max_tokens: int = Field(512, ge=16, le=32768)
-    calibration_file: str | None = None
-    """JSONL labelled set (see :func:`load_labelled`) rescored every ``calibration_every_s`` by the service."""
-    calibration_every_s: float = Field(0.0, ge=0)
-    """0 = never."""
-    min_agreement: float = Field(0.8, ge=0, le=1)
-    """Below this pass/fail agreement the service logs a drift alert."""
 
 
 SYSTEM_PROMPT = (

@@ -16,7 +16,7 @@ from aiokafka import ConsumerRecord
 from opentelemetry import trace
 
 from shared import topics
-from shared.config import FlywheelConfig
+from verifier_service.config import VerifierSettings
 from shared.kafka import (
     commit_batch,
     decode_or_dead_letter,
@@ -162,7 +162,7 @@ async def _calibrate_periodically(vcfg: VerifierConfig, scorer: Scorer, producer
             pass
 
 
-async def run(config: FlywheelConfig, stop: asyncio.Event | None = None) -> None:
+async def run(config: VerifierSettings, stop: asyncio.Event | None = None) -> None:
     """Run the verifier until ``stop`` is set (SIGTERM/SIGINT set it when ``stop`` is None).
 
     Consumes flywheel.trajectories in group ``config.verifier.consumer_group``, scores every

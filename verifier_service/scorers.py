@@ -40,7 +40,6 @@ from shared.verifier_specs import (
     ExactSpec, GeometrySpec, JsonFieldsSpec, MathSpec, NumericSpec, ReasoningGymSpec, Recipe, RegexSpec,
     UnitTestsSpec,
 )
-from shared.domains.reasoning_gym import SLOW
 from shared.schemas import Reward
 from verifier_service import deterministic as det
 from verifier_service.config import VerifierConfig
@@ -63,7 +62,7 @@ LAYER = "correctness"
 CODE_KINDS = (UnitTestsSpec,)
 """Spec kinds scored by running the response's code (the test-tampering detector applies)."""
 
-SLOW_REASONING_GYM = frozenset(SLOW)
+SLOW_REASONING_GYM = frozenset(det.SLOW_SCORERS)
 """reasoning-gym scorers over a millisecond per call: run in the pool."""
 
 

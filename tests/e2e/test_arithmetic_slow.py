@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(1800)
 def test_smollm2_arithmetic_held_out_accuracy_rises(tmp_path):
     report = tmp_path / "arithmetic.json"
-    subprocess.run([sys.executable, "-m", "shared.cli", "run", str(ROOT / "examples/arithmetic.yaml"),
+    subprocess.run([sys.executable, "-m", "flywheel.cli", "run", str(ROOT / "examples/arithmetic.yaml"),
                     "--report", str(report), "--set", f"run.dir={tmp_path}/runs", "--timeout", "1500"],
                    check=True, cwd=tmp_path, timeout=1700)
     rep = json.loads(report.read_text())

@@ -39,7 +39,7 @@ def _procs_under(path: Path) -> list[int]:
 
 
 def _flywheel(*args, cwd, timeout=600, check=True):
-    r = subprocess.run([sys.executable, "-m", "shared.cli", *args], cwd=cwd, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "flywheel.cli", *args], cwd=cwd, capture_output=True, text=True,
                        timeout=timeout)
     if check and r.returncode != 0:
         raise AssertionError(f"flywheel {' '.join(args)} -> {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
@@ -77,10 +77,10 @@ def test_run_trains_toy_domain_and_reward_rises(tiny, tmp_path):
 def test_up_submit_status_supervise_down(tiny, tmp_path):
     runs = tmp_path / "runs"
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(f"model: {{name: '{tiny}'}}\nrun: {{dir: '{runs}'}}\ntrainer: {{max_steps: 2}}\n"
+    cfg.write_text(f"model: {{name: '{tiny}'}}\nrun: {{dir: '{runs}'}}\nbudget: {{max_steps: 2}}\n"
                    "scheduler: {max_tokens: 2}\n")
     env = dict(os.environ, FLYWHEEL_CONFIG=str(cfg))
-    up = subprocess.Popen([sys.executable, "-m", "shared.cli", "up", str(cfg)], cwd=tmp_path, env=env,
+    up = subprocess.Popen([sys.executable, "-m", "flywheel.cli", "up", str(cfg)], cwd=tmp_path, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         state_file = runs / "system" / "flywheel.json"
@@ -129,12 +129,12 @@ def test_up_submit_status_supervise_down(tiny, tmp_path):
 
 
 def test_weights_travel_by_broadcast_and_the_file_stays_the_fallback(tiny, tmp_path):
-    """trainer.weight_transport=distributed: each version reaches the rollout engine over gloo (trainer
+    """weights.transport=distributed: each version reaches the rollout engine over gloo (trainer
     metrics say so, the rollout log says which way it loaded), and training still works."""
     report = tmp_path / "report.json"
     _flywheel("run", str(ROOT / "examples/toy.yaml"), "--set", f"model.name={tiny}", "--set",
-              f"run.dir={tmp_path / 'runs'}", "--set", "trainer.weight_transport=distributed", "--set",
-              "trainer.max_steps=8", "--report", str(report), "--timeout", "300", cwd=tmp_path)
+              f"run.dir={tmp_path / 'runs'}", "--set", "weights.transport=distributed", "--set",
+              "budget.max_steps=8", "--report", str(report), "--timeout", "300", cwd=tmp_path)
     rep = json.loads(report.read_text())
     hist = rep["history"]
     assert len(hist) == 8
@@ -147,9 +147,9 @@ def test_weights_travel_by_broadcast_and_the_file_stays_the_fallback(tiny, tmp_p
 
 def test_an_sglang_engine_takes_broadcast_weights_in_the_server(tiny, tmp_path):
     """rollout.engine=sglang against the torch-backed stand-in (SGLang's HTTP contract, not SGLang) with
-    trainer.weight_transport=distributed: the server itself joins each version's session
+    weights.transport=distributed: the server itself joins each version's session
     (/init_weights_update_group, flattened buckets), and training runs end to end on its samples."""
-    from shared.broker import free_port, stop_pid
+    from flywheel.broker import free_port, stop_pid
 
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "rollout_service.torch_sglang_server", str(tiny), "--port",
@@ -158,8 +158,8 @@ def test_an_sglang_engine_takes_broadcast_weights_in_the_server(tiny, tmp_path):
         report = tmp_path / "report.json"
         _flywheel("run", str(ROOT / "examples/toy.yaml"), "--set", f"model.name={tiny}", "--set",
                   f"run.dir={tmp_path / 'runs'}", "--set", "rollout.engine=sglang", "--set",
-                  f"rollout.sglang_url=http://127.0.0.1:{port}", "--set", "trainer.weight_transport=distributed",
-                  "--set", "trainer.max_steps=6", "--report", str(report), "--timeout", "300", cwd=tmp_path)
+                  f"rollout.sglang_url=http://127.0.0.1:{port}", "--set", "weights.transport=distributed",
+                  "--set", "budget.max_steps=6", "--report", str(report), "--timeout", "300", cwd=tmp_path)
         rep = json.loads(report.read_text())
         sent = [h.get("weights/broadcast_ok") for h in rep["history"]]
         assert len(sent) == 6 and sum(1 for x in sent if x == 1.0) >= 4, sent
@@ -177,7 +177,7 @@ def test_interrupting_generation_for_new_weights_runs_end_to_end(tiny, tmp_path)
     report = tmp_path / "report.json"
     _flywheel("run", str(ROOT / "examples/toy.yaml"), "--set", f"model.name={tiny}", "--set",
               f"run.dir={tmp_path / 'runs'}", "--set", "rollout.weight_update_policy=interrupt", "--set",
-              "scheduler.max_tokens=48", "--set", "trainer.max_steps=10", "--report", str(report),
+              "scheduler.max_tokens=48", "--set", "budget.max_steps=10", "--report", str(report),
               "--timeout", "300", cwd=tmp_path)
     rep = json.loads(report.read_text())
     assert rep["steps"] == 10
@@ -202,7 +202,7 @@ def test_a_run_that_drops_groups_still_reaches_max_steps(tiny, tmp_path):
     report = tmp_path / "report.json"
     _flywheel("run", str(ROOT / "examples/toy.yaml"), "--set", f"model.name={tiny}", "--set",
               f"run.dir={tmp_path / 'runs'}", "--set", "rollout.weight_update_policy=interrupt", "--set",
-              "scheduler.max_tokens=48", "--set", "tasks.train_size=8", "--set", "trainer.max_steps=10",
+              "scheduler.max_tokens=48", "--set", "tasks.train_size=8", "--set", "budget.max_steps=10",
               "--submit", str(long_tasks), "--report", str(report), "--timeout", "300", cwd=tmp_path)
     rep = json.loads(report.read_text())
     assert rep["steps"] == 10 and rep["eval"]["after"]["policy_version"] == 10

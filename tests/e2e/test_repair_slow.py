@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_humaneval_repair_loop_runs_through_all_services(tmp_path):
     report = tmp_path / "repair.json"
-    r = subprocess.run([sys.executable, "-m", "shared.cli", "run", str(ROOT / "examples/humaneval_repair.yaml"),
+    r = subprocess.run([sys.executable, "-m", "flywheel.cli", "run", str(ROOT / "examples/humaneval_repair.yaml"),
                         "--set", f"run.dir={tmp_path / 'runs'}", "--report", str(report), "--timeout", "1500"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -7,9 +7,9 @@ import torch
 
 from rollout_service.main import run
 from shared import kafka, topics
-from shared.broker import EmbeddedBroker
+from flywheel.broker import EmbeddedBroker
 from shared.checkpoint import CheckpointStore, snapshot_weights
-from shared.config import load_config
+from flywheel.config import load_config
 from shared.model import build_tiny_model, load_model
 from shared.schemas import DeadLetter, RolloutRequest, SamplingParams, Task, Trajectory
 

@@ -96,7 +96,7 @@ def test_interrupted_generation_tags_each_token_with_its_version_and_trains_unde
                         loss_mask=[1] * len(s.completion_ids), completion_text="x", finish_reason=s.finish_reason,
                         policy_versions=s.versions)
         buf.add(ScoredTrajectory(trajectory=tr, reward=Reward(total=float(i % 2))), ("s", 0), i)
-    trainer = PolicyTrainer(eng.model, TrainerConfig(max_staleness=1), pad_id=0)
+    trainer = PolicyTrainer(eng.model, TrainerConfig(), pad_id=0)
     trainer.version = 1
     assert buf.drop_stale(trainer.version) == 0  # oldest token from v0: staleness 1 ≤ η
     groups = buf.take(1)

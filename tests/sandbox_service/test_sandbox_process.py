@@ -9,7 +9,7 @@ import sys
 
 import httpx
 
-from shared.broker import free_port, wait_for_port
+from flywheel.broker import free_port, wait_for_port
 
 
 def test_module_serves_and_stops_on_sigterm(tmp_path):

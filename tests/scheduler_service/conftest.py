@@ -7,24 +7,24 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from shared.config import FlywheelConfig, KafkaConfig, RunConfig
+from flywheel.config import FlywheelConfig
+from shared.config import BudgetConfig, KafkaConfig, RunConfig
 from scheduler_service.api import create_app
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.registry import Registry
 from scheduler_service.state import SchedulerState
-from trainer_service.config import TrainerConfig
 
 
 @pytest.fixture
 def make_config(tmp_path):
     """Build a FlywheelConfig whose run directory is ``tmp_path``; sections as keyword dicts."""
 
-    def build(kafka: KafkaConfig | None = None, scheduler: dict | None = None, trainer: dict | None = None):
+    def build(kafka: KafkaConfig | None = None, scheduler: dict | None = None, budget: dict | None = None):
         return FlywheelConfig(
             kafka=kafka or KafkaConfig(),
             run=RunConfig(dir=str(tmp_path)),
             scheduler=SchedulerConfig(**(scheduler or {})),
-            trainer=TrainerConfig(**(trainer or {})),
+            budget=BudgetConfig(**(budget or {})),
         )
 
     return build

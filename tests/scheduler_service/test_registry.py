@@ -134,7 +134,7 @@ def test_learnable_tasks_are_partly_solved_and_not_in_flight(reg):
 def test_learnability_curriculum_replays_at_most_its_share_of_partly_solved_tasks(reg):
     from types import SimpleNamespace
 
-    from shared.config import load_config
+    from flywheel.config import load_config
     from scheduler_service.sampler import Sampler
 
     cfg = load_config(scheduler={"curriculum": "learnability", "replay_fraction": 0.5})

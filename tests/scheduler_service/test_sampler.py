@@ -71,11 +71,12 @@ async def _produce(producer, topic: str, record, key: str) -> None:
     await (await send(producer, topic, record, key))
 
 
-def _cfg(make_config, kafka_cfg, unique, **sched):
+def _cfg(make_config, kafka_cfg, unique, resample_unsolved: int = 0, **sched):
     s = {"poll_interval_s": 0.05, "consumer_group": f"sched-{unique}", "weights_model": f"m-{unique}",
          "eval_before_training": False}
     s.update(sched)
-    return make_config(kafka=kafka_cfg, scheduler=s, trainer={"batch_groups": 1, "max_staleness": 0, "max_steps": 30})
+    return make_config(kafka=kafka_cfg, scheduler=s, budget={"batch_groups": 1, "max_staleness": 0, "max_steps": 30,
+                                                             "resample_unsolved": resample_unsolved})
 
 
 async def test_flow_control_rewards_weights_and_dlq(make_config, kafka_cfg, unique, running, task, kafka_io):
@@ -190,9 +191,8 @@ async def test_oversample_issues_more_groups_per_step(make_config, kafka_cfg, un
     ids = [f"{unique}-t{i}" for i in range(5)]
     requests = await reader(topics.ROLLOUT_REQUESTS)
     cfg = make_config(kafka=kafka_cfg, scheduler={"poll_interval_s": 0.05, "consumer_group": f"sched-{unique}",
-                                                   "weights_model": f"m-{unique}", "eval_before_training": False,
-                                                   "oversample": 1.5},
-                      trainer={"batch_groups": 2, "max_staleness": 0, "max_steps": 30})
+                                                   "weights_model": f"m-{unique}", "eval_before_training": False},
+                      budget={"batch_groups": 2, "max_staleness": 0, "max_steps": 30, "oversample": 1.5})
     async with running(cfg) as (client, state):
         assert (await client.post("/v1/tasks", json={"tasks": [task(t) for t in ids]})).status_code == 202
         got = await collect(requests, RolloutRequest, lambda r: r.task.task_id in ids, want=3, settle_s=1.5)
@@ -238,7 +238,7 @@ async def test_an_unsolved_group_is_resampled_with_more_samples(make_config, kaf
     requests = await reader(topics.ROLLOUT_REQUESTS)
     mine = lambda r: r.task.task_id in ids  # noqa: E731
     cfg = _cfg(make_config, kafka_cfg, unique, resample_unsolved=6)
-    cfg.trainer.max_staleness = 1  # room in flight for the re-sample: (η + 1) · B = 2
+    cfg.budget.max_staleness = 1  # room in flight for the re-sample: (η + 1) · B = 2
     async with running(cfg) as (client, state):
         assert (await client.post("/v1/tasks", json={"tasks": [task(t) for t in ids]})).status_code == 202
         first = await collect(requests, RolloutRequest, mine, want=2, settle_s=1.0)  # (0 + 1 + 1) · 1

@@ -13,8 +13,8 @@ import random
 
 import pytest
 
-from shared.domains import DOMAINS, get
-from shared.domains import reasoning_gym as rg_domain
+from flywheel.domains import DOMAINS, get
+from flywheel.domains import reasoning_gym as rg_domain
 from shared.schemas import Task
 from verifier_service import hacks
 from verifier_service.config import VerifierConfig

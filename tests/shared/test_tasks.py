@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import load_config
+from flywheel.config import load_config
 from shared.schemas import Task
-from shared.tasks import TaskSourceConfig, make_tasks
+from flywheel.tasks import TaskSourceConfig, make_tasks
 from verifier_service.config import VerifierConfig
 from verifier_service.scorers import Scorer
 

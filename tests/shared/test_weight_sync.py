@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from shared.broker import free_port
+from flywheel.broker import free_port
 from shared.weight_sync import WeightBroadcaster, plan_buckets
 
 RECEIVER = textwrap.dedent("""

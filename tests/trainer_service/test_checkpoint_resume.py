@@ -3,7 +3,7 @@
 import torch
 
 from shared.checkpoint import CheckpointStore, snapshot_weights
-from shared.config import load_config
+from flywheel.config import load_config
 from shared.model import build_tiny_model
 from trainer_service.groups import GroupBuffer
 from trainer_service.main import build_trainer
@@ -14,7 +14,7 @@ from .test_trainer import fill
 def _config(tmp_path):
     model = build_tiny_model(tmp_path / "tiny")
     return load_config(model={"name": str(model)}, run={"dir": str(tmp_path / "run")},
-                       trainer={"batch_groups": 1, "lr": 1e-2, "keep_checkpoints": 2})
+                       budget={"batch_groups": 1}, trainer={"lr": 1e-2, "keep_checkpoints": 2})
 
 
 def _step(trainer, store, gid, done, complete=True):

@@ -327,12 +327,12 @@ def test_lr_warm_up_is_linear_then_constant(tiny):
 
 def test_cosine_schedule_decays_to_its_floor_after_warm_up():
     from trainer_service.trainer import lr_factor
-    cfg = TrainerConfig(lr_warmup_steps=2, lr_schedule="cosine", lr_min_ratio=0.1, max_steps=7)
-    factors = [lr_factor(cfg, s) for s in range(8)]
+    cfg = TrainerConfig(lr_warmup_steps=2, lr_schedule="cosine", lr_min_ratio=0.1)
+    factors = [lr_factor(cfg, 7, s) for s in range(8)]
     # warm-up 1/2, 1; then cosine over steps 2..6: t = 0, 1/4, 1/2, 3/4, 1; held at the floor after.
     cos = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)) for t in (0, 0.25, 0.5, 0.75, 1.0)]
     assert factors == pytest.approx([0.5, 1.0, *cos, 0.1])
-    assert lr_factor(cfg.model_copy(update={"lr_schedule": "constant"}), 6) == 1.0
+    assert lr_factor(cfg.model_copy(update={"lr_schedule": "constant"}), 7, 6) == 1.0
 
 
 def test_stale_samples_weight_the_kl_term_and_fresh_ones_do_not(tiny):

@@ -5,8 +5,8 @@ import asyncio
 import pytest
 
 from shared import kafka, topics
-from shared.broker import EmbeddedBroker
-from shared.config import load_config
+from flywheel.broker import EmbeddedBroker
+from flywheel.config import load_config
 from shared.model import build_tiny_model
 from shared.schemas import Metrics, Reward, ScoredTrajectory, Task, Trajectory, WeightUpdate
 from trainer_service.main import run
@@ -39,7 +39,7 @@ def setup(tmp_path):
     with EmbeddedBroker.start() as b:
         cfg = load_config(model={"name": str(model)}, run={"dir": str(tmp_path / "run")},
                           kafka={"bootstrap_servers": b.bootstrap_servers, "partitions": 2},
-                          trainer={"batch_groups": 1, "max_steps": 10, "lr": 1e-3})
+                          budget={"batch_groups": 1, "max_steps": 10}, trainer={"lr": 1e-3})
         yield cfg
 
 
@@ -95,7 +95,7 @@ async def test_kill_9_mid_run_resumes_from_the_checkpoint_and_trains_no_group_tw
     cfg = setup
     env = dict(os.environ, FLYWHEEL_MODEL__NAME=cfg.model.name, FLYWHEEL_RUN__DIR=str(cfg.run.dir),
                FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS=cfg.kafka.bootstrap_servers, FLYWHEEL_KAFKA__PARTITIONS="2",
-               FLYWHEEL_TRAINER__BATCH_GROUPS="1", FLYWHEEL_TRAINER__MAX_STEPS="10", FLYWHEEL_TRAINER__LR="1e-3")
+               FLYWHEEL_BUDGET__BATCH_GROUPS="1", FLYWHEEL_BUDGET__MAX_STEPS="10", FLYWHEEL_TRAINER__LR="1e-3")
     env.pop("FLYWHEEL_CONFIG", None)
 
     def start():

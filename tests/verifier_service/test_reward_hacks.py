@@ -7,8 +7,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from shared.domains import get
-from shared.domains import reasoning_gym as rg_domain
+from flywheel.domains import get
+from flywheel.domains import reasoning_gym as rg_domain
 from shared.schemas import TaskBody
 from verifier_service import hacks
 from verifier_service import judge as judge_mod

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from shared import topics
-from shared.config import FlywheelConfig
+from flywheel.config import FlywheelConfig
 from shared.kafka import ensure_topics, make_producer, send
 from shared.schemas import DeadLetter, Metrics, RewardEvent, ScoredTrajectory, Task, Trajectory
 from verifier_service.main import run
@@ -134,7 +134,7 @@ async def test_service_runs_domain_recipes_counts_hacks_and_gates_and_calibrates
         kafka_cfg, unique, tmp_path, read_topic):
     """Shipped domains through the service: each domain's recipe from the config, the components in the
     scored record, hack and gate counters and the periodic judge calibration in the metrics."""
-    from shared.domains import get
+    from flywheel.domains import get
     from tests.verifier_service.scripted_judge import ScriptedJudgeServer
 
     labelled = tmp_path / "labelled.jsonl"

@@ -24,18 +24,18 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from shared.config import load_config
-from shared.launcher import LocalSystem, overrides_to_env
+from flywheel.config import load_config
+from flywheel.launcher import LocalSystem, overrides_to_env
 from shared.model import resolve_model_dir
-from shared.report import write_report
-from shared.tasks import make_tasks
+from flywheel.report import write_report
+from flywheel.tasks import make_tasks
 
 app = typer.Typer(add_completion=False, help="Flywheel: asynchronous RL post-training over Kafka.")
 console = Console(soft_wrap=True)  # no hard wrapping of log lines when not on a terminal
 log = logging.getLogger("flywheel")
 
 ConfigArg = Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="System config (YAML).")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override, e.g. trainer.max_steps=5 (repeatable).")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override, e.g. budget.max_steps=5 (repeatable).")]
 RunDirOpt = Annotated[Optional[Path], typer.Option(help="Run directory (default: the config's run.dir).")]
 
 
@@ -143,7 +143,7 @@ def _train(system: LocalSystem, cfg, t0: float, timeout_s: float, extra: list[di
     tasks = make_tasks(cfg.tasks) + list(extra)
     submit_tasks(url, tasks)
     n_eval = sum(t["split"] == "eval" for t in tasks)
-    max_steps = cfg.trainer.max_steps
+    max_steps = cfg.budget.max_steps
     deadline = t0 + timeout_s
     eval_rows: dict[int, dict] = {}
     cols = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
@@ -201,7 +201,7 @@ def _train(system: LocalSystem, cfg, t0: float, timeout_s: float, extra: list[di
 
     return {
         "title": f"{cfg.tasks.dataset if cfg.tasks.kind == 'reasoning_gym' else cfg.tasks.kind}: "
-                 f"{cfg.trainer.batch_groups} groups x {cfg.tasks.samples_per_task} samples, eta={cfg.trainer.max_staleness}",
+                 f"{cfg.budget.batch_groups} groups x {cfg.tasks.samples_per_task} samples, eta={cfg.budget.max_staleness}",
         "eval": {"before": ev(before), "after": ev(after)},
         "steps": max((h["step"] for h in history), default=0),
         "dropped_groups": httpx.get(f"{url}/v1/status", timeout=10).json().get("dropped_groups", {}),
@@ -328,7 +328,7 @@ def tasks_cmd(domain: Annotated[str, typer.Argument(help="reasoning_gym, humanev
               params: Annotated[Optional[str], typer.Option(help="Generator parameters as a JSON object.")] = None
               ) -> None:
     """Print ``n`` generated tasks of a shipped domain as JSONL (the format of ``flywheel submit``)."""
-    from shared.domains import make_tasks as make_domain_tasks
+    from flywheel.domains import make_tasks as make_domain_tasks
 
     try:
         kw = orjson.loads(params) if params else {}
@@ -350,7 +350,7 @@ def judge_calibrate(
     """Score a labelled set with the configured judge and print its agreement with the labels (JSON)."""
     import asyncio
 
-    from shared.config import FlywheelConfig
+    from flywheel.config import FlywheelConfig
     from verifier_service.judge import JudgeClient, calibrate, load_labelled
 
     cfg = _load(config, set_)[0] if config else FlywheelConfig()

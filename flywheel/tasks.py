@@ -15,7 +15,7 @@ from shared.verifier_specs import Recipe, TruncationRule
 
 
 class DomainSource(BaseModel):
-    """One shipped domain of a ``mixture`` (``shared.domains``): how many tasks of each split, and the
+    """One shipped domain of a ``mixture`` (``flywheel.domains``): how many tasks of each split, and the
     generator's parameters."""
 
     model_config = ConfigDict(extra="forbid")
@@ -59,7 +59,7 @@ class TaskSourceConfig(BaseModel):
     """Verifier recipe every ``reasoning_gym`` and ``toy_prefix`` task carries. Default: a completion cut off
     at the token budget (finish_reason ``length``) earns 0. ``null``: none, so cut-off answers are scored
     like any other (the verifier service's recipe for the domain applies). ``mixture`` domains take
-    theirs from ``domains[].params.recipe`` (``shared.domains``)."""
+    theirs from ``domains[].params.recipe`` (``flywheel.domains``)."""
     seed: int = 0
     """Seed of the generator."""
 
@@ -137,7 +137,7 @@ def _mixture_tasks(cfg: TaskSourceConfig) -> list[dict]:
     Raises:
         ValueError: ``domains`` is empty, or a generator rejects its parameters.
     """
-    from shared.domains import make_tasks as make_domain_tasks
+    from flywheel.domains import make_tasks as make_domain_tasks
 
     if not cfg.domains:
         raise ValueError("tasks.kind mixture needs at least one entry in tasks.domains")

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import orjson
 
-from shared.broker import EmbeddedBroker, free_port, stop_pid
+from flywheel.broker import EmbeddedBroker, free_port, stop_pid
 
 log = logging.getLogger("flywheel")
 
@@ -84,9 +84,10 @@ class LocalSystem:
             "FLYWHEEL_RUN__DIR": str(run_dir),
             "FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS": bootstrap_servers,
             "FLYWHEEL_SANDBOX__PORT": str(sandbox_port),
-            "FLYWHEEL_TRAINER__BROADCAST_PORT": str(broadcast_port),
+            "FLYWHEEL_WEIGHTS__BROADCAST_PORT": str(broadcast_port),
             "FLYWHEEL_SCHEDULER__PORT": str(scheduler_port),
             "FLYWHEEL_VERIFIER__SANDBOX_URL": f"http://127.0.0.1:{sandbox_port}",
+            "FLYWHEEL_ROLLOUT__SANDBOX_URL": f"http://127.0.0.1:{sandbox_port}",
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1",
             "TOKENIZERS_PARALLELISM": "false",
@@ -178,7 +179,7 @@ class LocalSystem:
 
 
 def overrides_to_env(pairs: list[str]) -> dict[str, str]:
-    """``["trainer.max_steps=3"]`` → ``{"FLYWHEEL_TRAINER__MAX_STEPS": "3"}``.
+    """``["budget.max_steps=3"]`` → ``{"FLYWHEEL_BUDGET__MAX_STEPS": "3"}``.
 
     Raises:
         ValueError: a pair is not ``section.field=value``.

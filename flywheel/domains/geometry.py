@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from shared.domains.common import task_body, with_recipe
+from flywheel.domains.common import task_body, with_recipe
 from shared.scene import Primitive, scene_json
 
 RECIPE: dict[str, Any] | None = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from shared.domains import humaneval
+from flywheel.domains import humaneval
 from shared.tools import format_tool_call
 
 SYSTEM = ("Complete the Python function. Reply with the complete function in one ```python code block. "
@@ -19,7 +19,7 @@ SYSTEM = ("Complete the Python function. Reply with the complete function in one
           + format_tool_call("run_python", {"code": "<code>"}) + ".")
 MAX_TURNS = 3
 RECIPE: dict[str, Any] | None = humaneval.RECIPE
-"""As :data:`shared.domains.humaneval.RECIPE` (none: the tests decide on the final code)."""
+"""As :data:`flywheel.domains.humaneval.RECIPE` (none: the tests decide on the final code)."""
 
 
 def make(n: int, seed: int = 0, split: str = "train", eval_size: int = 32, samples_per_task: int = 8,

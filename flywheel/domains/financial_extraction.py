@@ -12,7 +12,7 @@ import datetime as dt
 import random
 from typing import Any
 
-from shared.domains.common import task_body, with_recipe
+from flywheel.domains.common import task_body, with_recipe
 
 RECIPE: dict[str, Any] | None = None
 """No recipe on the tasks (opted out of the truncation gate on purpose): the answer is one JSON object,

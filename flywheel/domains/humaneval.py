@@ -10,7 +10,7 @@ import random
 from functools import lru_cache
 from typing import Any
 
-from shared.domains.common import task_body, with_recipe
+from flywheel.domains.common import task_body, with_recipe
 
 RECIPE: dict[str, Any] | None = None
 """No recipe on the tasks (opted out of the truncation gate on purpose): the tests decide, and a function

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from shared.domains.common import TRUNCATION_GATE, split_seed, task_body, with_recipe
+from flywheel.domains.common import TRUNCATION_GATE, split_seed, task_body, with_recipe
 
 RECIPE: dict[str, Any] | None = TRUNCATION_GATE
 """Recipe every task carries: a solution cut off mid-way is not an answer, even when the last number

@@ -11,7 +11,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from shared.domains.common import ANSWER_TAG_SYSTEM, TRUNCATION_GATE, split_seed, task_body, with_recipe
+from verifier_service.deterministic import LENIENT_SCORERS, SLOW_SCORERS, TUPLE_METADATA_SCORERS
+from flywheel.domains.common import ANSWER_TAG_SYSTEM, TRUNCATION_GATE, split_seed, task_body, with_recipe
 
 RECIPE: dict[str, Any] | None = TRUNCATION_GATE
 """Recipe every task carries: an answer tag inside a response cut off at the token budget is not a
@@ -29,19 +30,11 @@ EXCLUDED: dict[str, str] = {
 }
 """Generators left out, with the reason (measured on 60 items each, seed 7)."""
 
-WRAPPED: dict[str, str] = {
-    "game_of_life_halting": "its scorer gives 1.0 to any non-empty answer: compared with the gold answer instead",
-}
-"""Generators kept, but scored by exact comparison with the gold (``verifier_service.deterministic.LENIENT_SCORERS``)."""
-
-TUPLE_METADATA = frozenset({"arc_agi", "rearc"})
-"""Generators whose scorer compares the answer with tuples in ``entry["metadata"]``: JSON carries them as
-lists, so the verifier turns lists back into tuples before scoring."""
-
-SLOW: dict[str, float] = {"intermediate_integration": 820.0, "simple_integration": 18.0, "codeio": 1.7,
-                          "polynomial_multiplication": 1.7, "sokoban": 1.5}
-"""Generators whose scorer takes over a millisecond (measured ms per call): scored in the verifier's
-process pool, not inline."""
+# How the verifier scores some generators is the verifier's knowledge; re-exported here for the tests
+# and benchmarks that pick generators by it.
+WRAPPED = LENIENT_SCORERS
+TUPLE_METADATA = TUPLE_METADATA_SCORERS
+SLOW = SLOW_SCORERS
 
 
 def included() -> list[str]:
