@@ -102,7 +102,7 @@ def plain_update(cfg, tok, model, opt, loss_cfg, prompts: list[list[int]], sampl
             prompts_rows.append(p)
             comps.append(s.completion_ids)
             blps.append(s.logprobs)
-    adv = torch.cat([group_advantages(torch.tensor([r], dtype=torch.float64), "grpo", cfg.trainer.adv_eps).flatten()
+    adv = torch.cat([group_advantages(torch.tensor([r], dtype=torch.float64), "grpo", loss_cfg.adv_eps).flatten()
                      for r in rewards]).float()
     # left-padded prompts then right-padded completions (as TRL lays them out): every completion
     # starts at column P, and only the last T + 1 positions go through the output layer
@@ -137,12 +137,10 @@ def plain_loop(config_path: Path, steps: int) -> list[float]:
     """Seconds per step of a textbook synchronous generate → score → full-forward GRPO update loop."""
     import torch
 
-    from trainer_service.losses import resolve_loss
-
     cfg, tok, engine, tasks, reward, rng = _setup(config_path)
     model = engine.model
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
-    loss_cfg = resolve_loss(cfg.trainer).cfg
+    loss_cfg = cfg.trainer.loss  # a token-level family with GRPO advantages (grpo, bnpo, dapo)
     times = []
     for step in range(steps):
         t0 = time.perf_counter()

@@ -22,7 +22,7 @@ The broadcast uses NCCL when the machine has two GPUs (the server on GPU 1, this
 refuses two ranks on one device) and gloo otherwise (``--backend`` overrides).
 
 It needs a GPU, so it is not part of the test suite; CI checks the same engine against
-``rollout_service/torch_sglang_server.py``.
+``tests/support/torch_sglang_server.py``, a torch-backed stand-in for the GPU server (a test double).
 """
 
 from __future__ import annotations

@@ -52,14 +52,13 @@ def main() -> None:
     from shared.model import encode_chat
     from shared.schemas import SamplingParams
     from flywheel.tasks import make_tasks
-    from trainer_service.losses import resolve_loss
 
     cfg, tok, engine, tasks, reward, _ = _setup(args.config)
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
     model = engine.model
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
-    loss_cfg = resolve_loss(cfg.trainer).cfg  # no reference model here: the KL term is not applied
+    loss_cfg = cfg.trainer.loss  # no reference model here: the KL term is not applied
     sampling = SamplingParams(max_new_tokens=cfg.scheduler.max_tokens, temperature=cfg.scheduler.temperature)
 
     scorer = reasoning_gym.create_dataset(cfg.tasks.dataset, size=64, seed=42, **cfg.tasks.dataset_config)

@@ -26,9 +26,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from flywheel.config import load_config
 from flywheel.launcher import LocalSystem, overrides_to_env
-from shared.model import resolve_model_dir
 from flywheel.report import write_report
 from flywheel.tasks import make_tasks
+from shared.model import resolve_model_dir
 
 app = typer.Typer(add_completion=False, help="Flywheel: asynchronous RL post-training over Kafka.")
 console = Console(soft_wrap=True)  # no hard wrapping of log lines when not on a terminal
@@ -139,12 +139,32 @@ def _fmt(ev: dict | None) -> str:
 
 
 def _train(system: LocalSystem, cfg, t0: float, timeout_s: float, extra: list[dict] = ()) -> dict:
-    url = system.scheduler_url
+    """The main job's phases: submit the tasks, follow training to ``budget.max_steps``, evaluate the
+    held-out split at the final version, and gather the report (:func:`_report`).
+
+    Raises:
+        TimeoutError: training or the final evaluation did not finish by ``t0 + timeout_s``.
+        httpx.HTTPError: the scheduler refused the tasks or stopped answering.
+    """
     tasks = make_tasks(cfg.tasks) + list(extra)
-    submit_tasks(url, tasks)
-    n_eval = sum(t["split"] == "eval" for t in tasks)
-    max_steps = cfg.budget.max_steps
+    submit_tasks(system.scheduler_url, tasks)
     deadline = t0 + timeout_s
+    eval_rows = _follow_training(system, cfg.budget.max_steps, deadline)
+    before = next((e for e in sorted(eval_rows.values(), key=lambda e: e["eval_round"])
+                   if e["min_policy_version"] == 0), None)
+    after = None
+    if any(t["split"] == "eval" for t in tasks):
+        after = _final_eval(system, cfg.budget.max_steps, deadline)
+    return _report(system, cfg, t0, before, after)
+
+
+def _follow_training(system: LocalSystem, max_steps: int, deadline: float) -> dict[int, dict]:
+    """Poll ``GET /v1/status`` every 2 s with a progress bar until the policy version reaches
+    ``max_steps``; returns the eval rounds seen done, by round id.
+
+    Raises:
+        TimeoutError: not there by ``deadline`` (``time.monotonic()`` seconds).
+    """
     eval_rows: dict[int, dict] = {}
     cols = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
             TimeElapsedColumn()]
@@ -153,39 +173,48 @@ def _train(system: LocalSystem, cfg, t0: float, timeout_s: float, extra: list[di
         while True:
             for note in system.check():
                 progress.console.print(f"[yellow]{note}[/]")
-            st = httpx.get(f"{url}/v1/status", timeout=10).json()
+            st = httpx.get(f"{system.scheduler_url}/v1/status", timeout=10).json()
             for ev in st.get("evals", []):
                 if ev.get("done") and ev["eval_round"] not in eval_rows:
                     eval_rows[ev["eval_round"]] = ev
                     progress.console.print(f"eval round {ev['eval_round']} at policy version "
                                            f"{ev.get('policy_versions')}: accuracy {ev['accuracy']:.3f} (n={ev['n']})")
-            tr = st.get("trainer") or {}
-            last_eval = max(eval_rows.values(), key=lambda e: e["eval_round"])["accuracy"] if eval_rows else None
-            dropped = sum((st.get("dropped_groups") or {}).values())
-            info = (f"v{st['policy_version']} reward {tr.get('train/reward_mean', float('nan')):.2f} "
-                    f"pass {st.get('train_reward_mean') or 0:.2f} stale {st['staleness']['mean'] or 0:.2f} "
-                    f"eval {'-' if last_eval is None else f'{last_eval:.2f}'} in-flight {st['in_flight_groups']} "
-                    f"dropped {dropped} "
-                    f"kl {tr.get('loss/kl_behaviour', 0.0):.3f} ent {tr.get('loss/entropy', 0.0):.2f} "
-                    f"clip {tr.get('loss/clip_frac', 0.0):.2f} gnorm {tr.get('train/grad_norm', 0.0):.1f}")
-            progress.update(bar, completed=min(st["policy_version"], max_steps), info=info)
+            progress.update(bar, completed=min(st["policy_version"], max_steps), info=_status_line(st, eval_rows))
             if st["policy_version"] >= max_steps:
-                break
+                return eval_rows
             if time.monotonic() > deadline:
-                raise TimeoutError(f"training did not reach {max_steps} steps in {timeout_s:.0f} s")
+                raise TimeoutError(f"training did not reach {max_steps} steps by the deadline")
             time.sleep(2.0)
-    before = next((e for e in sorted(eval_rows.values(), key=lambda e: e["eval_round"])
-                   if e["min_policy_version"] == 0), None)
-    after = None
-    if n_eval:
-        rounds = httpx.get(f"{url}/v1/evals", timeout=10).json()
-        # reuse a round the scheduler already started at the final version (eval_every), else ask for one
-        rid = next((e["eval_round"] for e in rounds if e["min_policy_version"] >= max_steps), None)
-        if rid is None:
-            rid = httpx.post(f"{url}/v1/evals", json={"min_policy_version": max_steps},
-                             timeout=10).json()["eval_round"]
-        with console.status(f"final held-out evaluation at policy version {max_steps}"):
-            after = _wait_eval(system, rid, max(60.0, deadline - time.monotonic()))
+
+
+def _status_line(st: dict, eval_rows: dict[int, dict]) -> str:
+    """One line of the progress bar from a ``GET /v1/status`` reply."""
+    tr = st.get("trainer") or {}
+    last_eval = max(eval_rows.values(), key=lambda e: e["eval_round"])["accuracy"] if eval_rows else None
+    dropped = sum((st.get("dropped_groups") or {}).values())
+    return (f"v{st['policy_version']} reward {tr.get('train/reward_mean', float('nan')):.2f} "
+            f"pass {st.get('train_reward_mean') or 0:.2f} stale {st['staleness']['mean'] or 0:.2f} "
+            f"eval {'-' if last_eval is None else f'{last_eval:.2f}'} in-flight {st['in_flight_groups']} "
+            f"dropped {dropped} "
+            f"kl {tr.get('loss/kl_behaviour', 0.0):.3f} ent {tr.get('loss/entropy', 0.0):.2f} "
+            f"clip {tr.get('loss/clip_frac', 0.0):.2f} gnorm {tr.get('train/grad_norm', 0.0):.1f}")
+
+
+def _final_eval(system: LocalSystem, max_steps: int, deadline: float) -> dict:
+    """The held-out round at policy version ``max_steps``: one the scheduler already started
+    (``scheduler.eval_every``), else a new one; waits for it (at least 60 s)."""
+    url = system.scheduler_url
+    rounds = httpx.get(f"{url}/v1/evals", timeout=10).json()
+    rid = next((e["eval_round"] for e in rounds if e["min_policy_version"] >= max_steps), None)
+    if rid is None:
+        rid = httpx.post(f"{url}/v1/evals", json={"min_policy_version": max_steps}, timeout=10).json()["eval_round"]
+    with console.status(f"final held-out evaluation at policy version {max_steps}"):
+        return _wait_eval(system, rid, max(60.0, deadline - time.monotonic()))
+
+
+def _report(system: LocalSystem, cfg, t0: float, before: dict | None, after: dict | None) -> dict:
+    """The run report (``--report``): title, evals before/after, per-step metrics history, config."""
+    url, max_steps = system.scheduler_url, cfg.budget.max_steps
     history = httpx.get(f"{url}/v1/metrics/history", timeout=10).json()
     # the last step's metrics record may trail its weight announcement (it follows the optimizer state)
     settle = time.monotonic() + 30

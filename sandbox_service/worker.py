@@ -41,6 +41,7 @@ import socket
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
@@ -229,6 +230,47 @@ class Worker:
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
+@dataclass
+class _Watch:
+    """W's view of one run in progress: R's pid, its limits, the buffers its pipes are read into, and
+    how it has ended so far. Times are ``time.monotonic()`` seconds; ``cap`` and ``kill_at`` are bytes."""
+
+    pid: int
+    lim: dict
+    t0: float
+    deadline: float
+    cap: int
+    kill_at: int
+    bufs: dict[str, Capture]
+    sink: bytearray
+    sel: selectors.BaseSelector
+    pidfd: int
+    timed_out: bool = False
+    overflow: bool = False
+    exited: bool = False
+    exit_at: float = 0.0
+
+    @classmethod
+    def open(cls, pid: int, lim: dict, pipes: dict) -> _Watch:
+        """Start watching R ``pid`` now: a buffer per pipe (stdout and stderr capped at the run's output
+        limit), each pipe non-blocking in a selector along with R's pidfd, the wall deadline set
+        ``lim["timeout_s"]`` seconds from now. Raises OSError."""
+        t0 = time.monotonic()
+        cap = lim["output_limit_bytes"]
+        kill_at = cap + max(cap, KILL_SLACK_BYTES)
+        caps = {"stdout": cap, "stderr": cap, "results": RESULT_CHANNEL_CAP, "status": STATUS_CAP}
+        bufs = {k: Capture(c) for k, c in caps.items()}
+        sink = bytearray(READ_CHUNK)
+        sel = selectors.DefaultSelector()
+        for k in caps:
+            os.set_blocking(pipes[k][0], False)
+            sel.register(pipes[k][0], selectors.EVENT_READ, k)
+        pidfd = os.pidfd_open(pid)
+        sel.register(pidfd, selectors.EVENT_READ, "exit")
+        deadline = t0 + lim["timeout_s"]
+        return cls(pid, lim, t0, deadline, cap, kill_at, bufs, sink, sel, pidfd)
+
+
 class Run:
     """One run, seen from W: clone R, learn its limits, watch it, report."""
 
@@ -275,58 +317,72 @@ class Run:
                 shutil.rmtree(rundir, ignore_errors=True)
 
     def _watch(self, pid: int, lim: dict, pipes: dict) -> tuple[dict, tuple]:
-        t0 = time.monotonic()
-        cap = lim["output_limit_bytes"]
-        kill_at = cap + max(cap, KILL_SLACK_BYTES)
-        caps = {"stdout": cap, "stderr": cap, "results": RESULT_CHANNEL_CAP, "status": STATUS_CAP}
-        bufs = {k: Capture(c) for k, c in caps.items()}
-        sink = bytearray(READ_CHUNK)
-        sel = selectors.DefaultSelector()
-        for k in caps:
-            os.set_blocking(pipes[k][0], False)
-            sel.register(pipes[k][0], selectors.EVENT_READ, k)
-        pidfd = os.pidfd_open(pid)
-        sel.register(pidfd, selectors.EVENT_READ, "exit")
-        deadline = t0 + lim["timeout_s"]
-        timed_out = overflow = exited = False
-        exit_at = 0.0
+        """Watch R until it ends (or is killed at the wall deadline or for flooding its output), then reap
+        it and report: the result frame's header and its parts (stdout, stderr, results, status).
+
+        ``wall_s`` runs from the start of the watch to the end of the reading (seconds). Raises OSError.
+        """
+        wt = _Watch.open(pid, lim, pipes)
+        self._pump(wt)
+        wall = time.monotonic() - wt.t0
+        status, ru = self._reap(wt)
+        return self._report(wt, wall, status, ru)
+
+    def _pump(self, wt: _Watch) -> None:
+        """Read R's pipes into their buffers until R has ended and they are drained (or the drain grace,
+        :data:`DRAIN_GRACE_S` seconds, is over); kill R at the wall deadline. Raises OSError."""
         while True:
             now = time.monotonic()
-            if not exited and not timed_out and now >= deadline:
-                timed_out = True
-                _kill(pid)
-            readers = [k for k in sel.get_map().values() if k.data in caps]
-            if exited and (not readers or now > exit_at + DRAIN_GRACE_S):
+            if not wt.exited and not wt.timed_out and now >= wt.deadline:
+                wt.timed_out = True
+                _kill(wt.pid)
+            readers = [k for k in wt.sel.get_map().values() if k.data in wt.bufs]
+            if wt.exited and (not readers or now > wt.exit_at + DRAIN_GRACE_S):
                 break
-            wait = exit_at + DRAIN_GRACE_S - now if exited else (0.05 if timed_out else deadline - now)
-            for key, _ in sel.select(timeout=max(wait, 0.0)):
-                k = key.data
-                if k == "exit":
-                    sel.unregister(pidfd)
-                    exited, exit_at = True, time.monotonic()
-                    if not self.w.root:  # no pid namespace took the rest with R: kill it so the pipes close
-                        self._sweep(pid)
-                    continue
-                try:
-                    n = bufs[k].read_from(key.fd, sink)
-                except BlockingIOError:
-                    continue
-                if n == 0:
-                    sel.unregister(key.fd)
-                    os.close(key.fd)
-                elif k in ("stdout", "stderr") and bufs[k].total > kill_at and not overflow:
-                    overflow = True
-                    _kill(pid)
-        wall = time.monotonic() - t0
-        if not exited:
-            _kill(pid)
-        _, status, ru = os.wait4(pid, 0)
-        os.close(pidfd)
-        for key in list(sel.get_map().values()):
+            wait = wt.exit_at + DRAIN_GRACE_S - now if wt.exited else (0.05 if wt.timed_out else wt.deadline - now)
+            for key, _ in wt.sel.select(timeout=max(wait, 0.0)):
+                self._on_ready(wt, key)
+
+    def _on_ready(self, wt: _Watch, key: selectors.SelectorKey) -> None:
+        """One ready event: R's exit (then, without a pid namespace, sweep what it left so the pipes
+        close), or one read from a pipe (closed at EOF; R killed once stdout or stderr passes
+        ``kill_at`` bytes). Raises OSError."""
+        k = key.data
+        if k == "exit":
+            wt.sel.unregister(wt.pidfd)
+            wt.exited, wt.exit_at = True, time.monotonic()
+            if not self.w.root:  # no pid namespace took the rest with R: kill it so the pipes close
+                self._sweep(wt.pid)
+            return
+        try:
+            n = wt.bufs[k].read_from(key.fd, wt.sink)
+        except BlockingIOError:
+            return
+        if n == 0:
+            wt.sel.unregister(key.fd)
             os.close(key.fd)
-        sel.close()
-        ctypes.memset((ctypes.c_char * len(sink)).from_buffer(sink), 0, len(sink))
-        self._sweep(pid)
+        elif k in ("stdout", "stderr") and wt.bufs[k].total > wt.kill_at and not wt.overflow:
+            wt.overflow = True
+            _kill(wt.pid)
+
+    def _reap(self, wt: _Watch) -> tuple[int, resource.struct_rusage]:
+        """Kill R if it still runs, reap it (its wait status and resource usage), close the pipes left, zero
+        the overflow buffer and sweep the slot. Raises OSError."""
+        if not wt.exited:
+            _kill(wt.pid)
+        _, status, ru = os.wait4(wt.pid, 0)
+        os.close(wt.pidfd)
+        for key in list(wt.sel.get_map().values()):
+            os.close(key.fd)
+        wt.sel.close()
+        ctypes.memset((ctypes.c_char * len(wt.sink)).from_buffer(wt.sink), 0, len(wt.sink))
+        self._sweep(wt.pid)
+        return status, ru
+
+    def _report(self, wt: _Watch, wall: float, status: int, ru: resource.struct_rusage) -> tuple[dict, tuple]:
+        """The result frame for a reaped run: R's set-up or request failure if its status note says so,
+        else the program's own status (relayed by R), classified. ``wall`` in seconds; CPU time in
+        seconds (the cgroup's, else what R measured, else R's own rusage); peak memory in bytes."""
         cg = self.w.cg
         oom = peak = cpu = None
         if cg:
@@ -334,6 +390,7 @@ class Run:
         if peak is None:
             peak = ru.ru_maxrss * 1024
         code = os.waitstatus_to_exitcode(status)
+        bufs, lim, cap = wt.bufs, wt.lim, wt.cap
         parts = (bufs["stdout"], bufs["stderr"], bufs["results"], bufs["status"])
         note = bytes(bufs["status"].views()[0]) if bufs["status"].total else b""  # R's own words, never the code's
         if code == SETUP_FAILED and note:
@@ -349,7 +406,7 @@ class Run:
         if cpu is None:
             cpu = ru.ru_utime + ru.ru_stime
         truncated = {k: bufs[k].total > cap for k in ("stdout", "stderr")}
-        status_name = _classify(code, timed_out, overflow, bool(oom), lim, cpu, bufs["stderr"],
+        status_name = _classify(code, wt.timed_out, wt.overflow, bool(oom), lim, cpu, bufs["stderr"],
                                 truncated["stdout"] or truncated["stderr"], python=lim.get("language") == "python")
         header = {"status": status_name, "exit_code": code, "stdout_truncated": truncated["stdout"],
                   "stderr_truncated": truncated["stderr"], "wall_s": round(wall, 4), "cpu_s": round(cpu, 4),
@@ -424,6 +481,27 @@ class RequestError(Exception):
     caller's fault, reported as ``runtime_error``, never as an environment failure."""
 
 
+@dataclass
+class _ProgramLink:
+    """R's ends of its pipes to C (made before C was forked): C's pid, the go message (then, with tests,
+    calls) to C, the solution's answers from C, and the program's stdin."""
+
+    child: int
+    ctl_w: int
+    rsp_r: int
+    stdin_w: int
+
+
+@dataclass
+class _RunDirs:
+    """The run's writable directories: ``work`` and ``tmp`` as the program sees them, ``host_work`` where
+    R writes the run's files before pivot_root."""
+
+    host_work: str
+    work: str
+    tmp: str
+
+
 def _run(w: Worker, pipes: dict, rundir: str | None) -> None:
     """Process R: fork the program's process C at once (before any request exists in memory), read
     the request, set up the run, release C, then supervise it as the namespace's init. Never returns.
@@ -441,71 +519,32 @@ def _run(w: Worker, pipes: dict, rundir: str | None) -> None:
     rsp_r, rsp_w = os.pipe()  # C -> R: (tests) the solution's answers
     stdin_r, stdin_w = os.pipe()
     child = os.fork()
-    if child == 0:
+    if child == 0:  # forked here, not in a helper: the program's code runs no deeper in the stack
         _program(w, pipes, ctl_r, rsp_w, stdin_r, close=(ctl_w, rsp_r, stdin_w))  # never returns
     for fd in (ctl_r, rsp_w, stdin_r):
         os.close(fd)
+    link = _ProgramLink(child, ctl_w, rsp_r, stdin_w)
     try:
-        req = read_frame(0)
-        if req is None:
-            os._exit(NO_MORE_REQUESTS)
+        req = _read_request(pipes["limits"][1])
         lim = req["limits"]
-        os.write(pipes["limits"][1], orjson.dumps({k: lim[k] for k in ("timeout_s", "cpu_time_s", "output_limit_bytes")}
-                                                  | {"language": req["language"]}))
-        os.close(pipes["limits"][1])
-        if w.cg:  # W (and so R and C) live in the slot's pids/cpu cgroups; the program joins its memory cgroup
-            w.cg.set_limits(lim["memory_mb"] * 2**20, lim["max_processes"] + 2)
-            w.cg.attach(child, only=("memory", "cpuacct"))  # its memory and CPU time, not W's
-            with open(f"/proc/{child}/oom_score_adj", "w") as f:  # the OOM killer's first choice
-                f.write("1000")
-            w.cg.attach(0, only=("memory",))  # R too: the files it writes and what it reads from C count
-        opts = f"size={lim['disk_mb']}m,mode=0700" + (f",uid={w.uid},gid={w.uid}" if w.uid is not None else "")
-        if w.root:
-            for d in ("work", "tmp"):
-                isolation.mount("tmpfs", os.path.join(w.root, d), "tmpfs", isolation.MS_NOSUID | isolation.MS_NODEV, opts)
-            host_work, work, tmp = os.path.join(w.root, "work"), "/work", "/tmp"
-        else:
-            work, tmp = os.path.join(rundir, "work"), os.path.join(rundir, "tmp")
-            os.mkdir(rundir, 0o711)
-            for d in (work, tmp):
-                os.mkdir(d, 0o700)
-                if w.uid is not None:
-                    os.chown(d, w.uid, w.uid)
-            host_work = work
+        _join_cgroups(w, lim, link.child)
+        dirs = _make_run_dirs(w, lim, rundir)
         source = SOURCE_NAMES[req["language"]]
-        try:
-            _write_tree(host_work, {source: req["code"], **req.get("files", {})}, w.uid)
-        except OSError as e:
-            raise RequestError(f"sandbox: the run's files do not fit (disk_mb={lim['disk_mb']}, "
-                               f"memory_mb={lim['memory_mb']}): {e}") from None
+        _write_run_files(w, req, source, dirs.host_work)
         if w.root:  # C shares this mount namespace and root: pivot_root moves it too
             isolation.mount("proc", os.path.join(w.root, "proc"), "proc",
                             isolation.MS_NOSUID | isolation.MS_NODEV | isolation.MS_NOEXEC)
             isolation.pivot_root_here(w.root)
-        stdin = memoryview(req.get("stdin", "").encode("utf-8"))
-        os.set_blocking(stdin_w, False)
-        try:
-            stdin = stdin[os.write(stdin_w, stdin):]  # what fits in the pipe now; R feeds the rest as init
-        except (BlockingIOError, BrokenPipeError):
-            pass
+        stdin = _prime_stdin(req.get("stdin", ""), link.stdin_w)
         tests = req.get("tests")
         go = {"language": req["language"], "fresh": bool(req.get("fresh_interpreter")), "limits": lim,
-              "work": work, "tmp": tmp, "path": os.path.join(work, source), "serve": tests is not None}
-        send_frame(ctl_w, go)
-        # R keeps: stdout/stderr (tests print there), the result channel, the status pipe, and the link to C
-        os.dup2(status_w, _STATUS_FD)
-        os.dup2(ctl_w, _CTL_FD)
-        os.dup2(rsp_r, _RSP_FD)
-        os.dup2(stdin_w, _STDIN_FD)
-        devnull = os.open("/dev/null", os.O_RDONLY)
-        for target, fd in ((0, devnull), (1, pipes["stdout"][1]), (2, pipes["stderr"][1]),
-                           (harness.RESULT_FD, pipes["results"][1])):
-            os.dup2(fd, target, inheritable=True)
-        os.closerange(harness.RESULT_FD + 1, _STATUS_FD)
-        os.closerange(_STDIN_FD + 1, 65536)
+              "work": dirs.work, "tmp": dirs.tmp, "path": os.path.join(dirs.work, source),
+              "serve": tests is not None}
+        send_frame(link.ctl_w, go)
+        _keep_fds(pipes, link, status_w)
         status_w = _STATUS_FD
         if tests is not None:  # R runs the tests' code: it gets every layer too (and is not dumpable)
-            _confine(w, lim, work, tmp, init=True)
+            _confine(w, lim, dirs.work, dirs.tmp, init=True)
         else:  # R only waits, as root: the program (another uid) can neither signal nor trace it
             isolation.set_no_new_privs()
     except RequestError as e:
@@ -521,6 +560,99 @@ def _run(w: Worker, pipes: dict, rundir: str | None) -> None:
     else:
         os.close(_STDIN_FD)
         harness.run_tests(tests, req.get("entry_point"), req["token"], _CTL_FD, _RSP_FD)
+    _be_init(link.child, status_w)
+
+
+def _read_request(limits_w: int) -> dict:
+    """R: read the request from the service's pipe (exit with :data:`NO_MORE_REQUESTS` when it is closed)
+    and tell W the run's limits on ``limits_w`` (numbers and the language only), then close it. Raises
+    OSError, ValueError (a bad frame), KeyError (a request without its limits)."""
+    req = read_frame(0)
+    if req is None:
+        os._exit(NO_MORE_REQUESTS)
+    lim = req["limits"]
+    os.write(limits_w, orjson.dumps({k: lim[k] for k in ("timeout_s", "cpu_time_s", "output_limit_bytes")}
+                                    | {"language": req["language"]}))
+    os.close(limits_w)
+    return req
+
+
+def _join_cgroups(w: Worker, lim: dict, child: int) -> None:
+    """R: set the slot cgroup's memory (``memory_mb``) and process limits, put C (and R itself) in its
+    memory cgroup and C in its CPU-time one, and make C the OOM killer's first choice. Nothing without
+    cgroups. Raises OSError."""
+    if w.cg:  # W (and so R and C) live in the slot's pids/cpu cgroups; the program joins its memory cgroup
+        w.cg.set_limits(lim["memory_mb"] * 2**20, lim["max_processes"] + 2)
+        w.cg.attach(child, only=("memory", "cpuacct"))  # its memory and CPU time, not W's
+        with open(f"/proc/{child}/oom_score_adj", "w") as f:  # the OOM killer's first choice
+            f.write("1000")
+        w.cg.attach(0, only=("memory",))  # R too: the files it writes and what it reads from C count
+
+
+def _make_run_dirs(w: Worker, lim: dict, rundir: str | None) -> _RunDirs:
+    """R: the run's fresh /work and /tmp, each ``disk_mb`` MiB: tmpfs mounts in the prepared root, or,
+    without namespaces, directories under ``rundir`` (owned by the slot uid). Raises OSError."""
+    opts = f"size={lim['disk_mb']}m,mode=0700" + (f",uid={w.uid},gid={w.uid}" if w.uid is not None else "")
+    if w.root:
+        for d in ("work", "tmp"):
+            isolation.mount("tmpfs", os.path.join(w.root, d), "tmpfs", isolation.MS_NOSUID | isolation.MS_NODEV, opts)
+        return _RunDirs(os.path.join(w.root, "work"), "/work", "/tmp")
+    work, tmp = os.path.join(rundir, "work"), os.path.join(rundir, "tmp")
+    os.mkdir(rundir, 0o711)
+    for d in (work, tmp):
+        os.mkdir(d, 0o700)
+        if w.uid is not None:
+            os.chown(d, w.uid, w.uid)
+    return _RunDirs(work, work, tmp)
+
+
+def _write_run_files(w: Worker, req: dict, source: str, host_work: str) -> None:
+    """R: write the code (as ``source``) and the request's files into ``host_work``, owned by the slot uid.
+
+    Raises:
+        RequestError: they do not fit the run's disk or memory limit (or another OSError writing them).
+    """
+    lim = req["limits"]
+    try:
+        _write_tree(host_work, {source: req["code"], **req.get("files", {})}, w.uid)
+    except OSError as e:
+        raise RequestError(f"sandbox: the run's files do not fit (disk_mb={lim['disk_mb']}, "
+                           f"memory_mb={lim['memory_mb']}): {e}") from None
+
+
+def _prime_stdin(text: str, stdin_w: int) -> memoryview:
+    """R: write what fits of the program's stdin into its pipe now (made non-blocking); the rest, which R
+    feeds as init (:func:`_feed`), is returned."""
+    stdin = memoryview(text.encode("utf-8"))
+    os.set_blocking(stdin_w, False)
+    try:
+        stdin = stdin[os.write(stdin_w, stdin):]  # what fits in the pipe now; R feeds the rest as init
+    except (BlockingIOError, BrokenPipeError):
+        pass
+    return stdin
+
+
+def _keep_fds(pipes: dict, link: _ProgramLink, status_w: int) -> None:
+    """R, before it confines itself: its status pipe and its ends of the link to C on their fixed numbers
+    (:data:`_STATUS_FD` ...), stdin from /dev/null, stdout, stderr and the result channel on 1, 2 and
+    :data:`harness.RESULT_FD`; every other fd closed. Raises OSError."""
+    # R keeps: stdout/stderr (tests print there), the result channel, the status pipe, and the link to C
+    os.dup2(status_w, _STATUS_FD)
+    os.dup2(link.ctl_w, _CTL_FD)
+    os.dup2(link.rsp_r, _RSP_FD)
+    os.dup2(link.stdin_w, _STDIN_FD)
+    devnull = os.open("/dev/null", os.O_RDONLY)
+    for target, fd in ((0, devnull), (1, pipes["stdout"][1]), (2, pipes["stderr"][1]),
+                       (harness.RESULT_FD, pipes["results"][1])):
+        os.dup2(fd, target, inheritable=True)
+    os.closerange(harness.RESULT_FD + 1, _STATUS_FD)
+    os.closerange(_STDIN_FD + 1, 65536)
+
+
+def _be_init(child: int, status_w: int) -> None:
+    """R after stdin is fed or the tests ran: close the program's pipes, then reap every process until C
+    ends, and write C's wait status and the CPU time (seconds) of everything reaped on ``status_w``.
+    Never returns."""
     for fd in (0, 1, 2, harness.RESULT_FD, _CTL_FD, _RSP_FD, _STDIN_FD):
         try:
             os.close(fd)  # the program's pipes must close when it ends, not when R does

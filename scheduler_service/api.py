@@ -8,10 +8,9 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 
 from scheduler_service.config import SchedulerSettings
-from shared.http import install_validation_handler
-
 from scheduler_service.routes import evals, status, tasks
 from scheduler_service.state import SchedulerState
+from shared.http import install_validation_handler
 
 
 def create_app(config: SchedulerSettings, state: SchedulerState) -> FastAPI:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import uvicorn
 
-from scheduler_service.config import SchedulerSettings
-from shared.telemetry import setup_logging, setup_tracing
-
 from scheduler_service.api import create_app
+from scheduler_service.config import SchedulerSettings
 from scheduler_service.registry import Registry
 from scheduler_service.state import SchedulerState
+from shared.telemetry import setup_logging, setup_tracing
 
 
 async def run(config: SchedulerSettings) -> None:

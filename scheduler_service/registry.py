@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import orjson
 
 from shared.config import RunConfig
+from shared.groups import SampleOutcome, is_unsolved, resample_wanted
 from shared.schemas import RewardEvent, Task
 
 _PAUSED_KEY = "paused_domains"
@@ -455,9 +456,10 @@ class Registry:
         the same transaction, one more ``pending`` group of the same task with ``resample_n``
         samples, returned as ``outcome.resample``; :meth:`take_pending` hands it to the sampler
         like an eval group, so it is sent even when the process stops right after this commit.
-        Unsolved: no sample passed, none was an infrastructure error, all rewards are equal (so
-        every advantage is 0), the group has fewer than ``resample_n`` samples and is not itself a
-        re-sample. The trainer sets such groups aside with the same test
+        Unsolved (:func:`shared.groups.is_unsolved`): no sample passed, none was an infrastructure
+        error, all rewards are equal (so every advantage is 0); and re-sampled only when the group has
+        fewer than ``resample_n`` samples (:func:`shared.groups.resample_wanted`) and is not itself a
+        re-sample. The trainer sets such groups aside by calling the same functions
         (``trainer_service.groups.Group.unsolved``) and counts on the re-sample to take their place,
         so it is written even in a paused domain. One write per group, so a redelivered
         event never re-samples twice. The re-sample counts as one of the task's groups in the
@@ -495,17 +497,15 @@ class Registry:
                 db.execute("UPDATE tasks SET samples = samples + 1, passes = passes + ? WHERE task_id = ?",
                            (int(ev.passed), ev.task_id))
             resample = None
-            if (completed and resample_n > g["n"] and g["purpose"] == "train" and g["resample_of"] is None
+            if (completed and resample_wanted(g["n"], resample_n) and g["purpose"] == "train" and g["resample_of"] is None
                     and g["dropped"] is None):  # a dropped group's slot was already given to a new group
                 resample = self._resample_unsolved(db, g, resample_n)
             return RewardOutcome(True, True, scored, completed, resample)
 
     def _resample_unsolved(self, db: sqlite3.Connection, g: sqlite3.Row, n: int) -> IssuedGroup | None:
-        r = db.execute(
-            "SELECT MAX(passed) AS p, MAX(infra_error) AS e, MIN(reward) AS lo, MAX(reward) AS hi FROM rewards"
-            " WHERE group_id = ? AND counted = 1", (g["group_id"],)
-        ).fetchone()
-        if r["p"] or r["e"] or r["lo"] != r["hi"]:
+        rows = db.execute("SELECT reward, passed, infra_error FROM rewards WHERE group_id = ? AND counted = 1",
+                          (g["group_id"],))
+        if not is_unsolved(SampleOutcome(r["reward"], bool(r["passed"]), bool(r["infra_error"])) for r in rows):
             return None
         gid, task = self._new_group(db, g["task_id"], "train", "pending", None, time.time(), None, n=n,
                                     resample_of=g["group_id"])

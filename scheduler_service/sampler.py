@@ -29,19 +29,16 @@ import asyncio
 import logging
 import math
 import random
-from typing import TYPE_CHECKING
 
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from opentelemetry import trace
-from aiokafka import AIOKafkaConsumer
 
+from scheduler_service.config import SchedulerSettings
+from scheduler_service.registry import IssuedGroup, Registry
+from scheduler_service.stats import Stats
 from shared import topics
 from shared.kafka import commit_batch, decode_or_dead_letter, make_consumer, send
 from shared.schemas import GroupDropped, Metrics, RewardEvent, RolloutRequest, SamplingParams, WeightUpdate
-
-from scheduler_service.registry import IssuedGroup
-
-if TYPE_CHECKING:
-    from scheduler_service.state import SchedulerState
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +61,18 @@ class Sampler:
     """Flow control and bookkeeping of rollout groups for one scheduler process.
 
     Args:
-        state: shared state; its producer must be started.
+        config: the scheduler's settings.
+        registry: the opened task registry.
+        producer: a started Kafka producer (requests, dead letters).
+        stats: the process's ``GET /v1/status`` statistics, fed with every reward and metrics record.
     """
 
-    def __init__(self, state: "SchedulerState") -> None:
-        self.state = state
-        self.cfg = state.config
-        self.registry = state.registry
+    def __init__(self, config: SchedulerSettings, registry: Registry, producer: AIOKafkaProducer,
+                 stats: Stats) -> None:
+        self.cfg = config
+        self.registry = registry
+        self.producer = producer
+        self.stats = stats
         self.rng = random.Random(self.cfg.scheduler.seed)
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -224,7 +226,7 @@ class Sampler:
         Raises:
             aiokafka.errors.KafkaError: a send failed (the rows stay ``issued``; the deadline re-issues them).
         """
-        producer = self.state.producer
+        producer = self.producer
         tracer = trace.get_tracer("scheduler")
         futs = []
         for g in groups:  # one trace per group: rollout, verifier and trainer continue it via record headers
@@ -274,7 +276,7 @@ class Sampler:
             await self._on_reward(msg)
 
     async def _on_drop(self, msg) -> None:
-        ev = await decode_or_dead_letter(self.state.producer, msg, GroupDropped, self.name)
+        ev = await decode_or_dead_letter(self.producer, msg, GroupDropped, self.name)
         if ev is None:
             return
         freed = self.registry.record_drop(ev.group_id, ev.reason)
@@ -284,7 +286,7 @@ class Sampler:
                         ev.policy_version)
 
     async def _on_reward(self, msg) -> None:
-        ev = await decode_or_dead_letter(self.state.producer, msg, RewardEvent, self.name)
+        ev = await decode_or_dead_letter(self.producer, msg, RewardEvent, self.name)
         if ev is None:
             return
         budget = self.cfg.budget
@@ -296,7 +298,7 @@ class Sampler:
                                                                            ev.task_id):
             log.error("ALERT domain %r paused: the verifier reports its spec is broken (task %s: %s); fix the tasks, "
                       "then POST /v1/domains/%s/resume", ev.domain, ev.task_id, ev.reason, ev.domain)
-        self.state.stats.on_reward(ev, outcome, self.registry.policy_version)
+        self.stats.on_reward(ev, outcome, self.registry.policy_version)
         if outcome.completed:
             log.info("group %s complete", ev.group_id)
         if outcome.resample is not None:  # written pending: the issue loop sends it on its next pass
@@ -310,13 +312,13 @@ class Sampler:
 
     async def _on_watch(self, msg) -> None:
         if msg.topic == topics.WEIGHTS:
-            wu = await decode_or_dead_letter(self.state.producer, msg, WeightUpdate, self.name)
+            wu = await decode_or_dead_letter(self.producer, msg, WeightUpdate, self.name)
             want = self.cfg.scheduler.weights_model or self.cfg.model.name
             if wu is None or wu.model != want:
                 return
             if self.registry.raise_policy_version(wu.version):
                 log.info("policy version %d (step %d)", wu.version, wu.step)
         else:
-            m = await decode_or_dead_letter(self.state.producer, msg, Metrics, self.name)
+            m = await decode_or_dead_letter(self.producer, msg, Metrics, self.name)
             if m is not None:
-                self.state.stats.on_metrics(m)
+                self.stats.on_metrics(m)

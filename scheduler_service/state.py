@@ -1,84 +1,26 @@
 """What the REST API and the sampler share in one scheduler process.
 
 :class:`SchedulerState` holds the config, the registry, the Kafka producer and the sampler, plus
-the in-memory statistics of ``GET /v1/status`` (recent rewards, staleness, throughput) and the
-trainer's metrics history (rebuilt from flywheel.metrics, read from the earliest offset, on start).
+the in-memory statistics of ``GET /v1/status`` (:class:`scheduler_service.stats.Stats`). The sampler
+gets these parts, not the state, so this module imports the sampler and not the other way round.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections import deque
-from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
-from shared import topics
 from scheduler_service.config import SchedulerSettings
+from scheduler_service.registry import Registry
+from scheduler_service.sampler import Sampler
+from scheduler_service.stats import Stats
+from shared import topics
 from shared.kafka import ensure_topics, make_producer, send
-from shared.schemas import Metrics, RewardEvent, Task
-
-from scheduler_service.registry import Registry, RewardOutcome
+from shared.schemas import Task
 
 log = logging.getLogger(__name__)
-
-
-class Stats:
-    """Recent-window statistics (in memory; lost on restart, rebuilt as events arrive).
-
-    Args:
-        window_s: throughput window (seconds).
-        recent: train reward events kept for the reward mean and staleness.
-    """
-
-    def __init__(self, window_s: float = 60.0, recent: int = 256) -> None:
-        self.window_s = window_s
-        self.started = time.monotonic()
-        self._scored: deque[float] = deque()
-        self._rewards: deque[float] = deque(maxlen=recent)
-        self._staleness: deque[int] = deque(maxlen=recent)
-        self.metrics: dict[int, dict[str, Any]] = {}
-        """Trainer Metrics records by step."""
-
-    def on_reward(self, ev: RewardEvent, outcome: RewardOutcome, policy_version: int) -> None:
-        """Account one counted reward event seen while the policy version was ``policy_version``."""
-        if not outcome.scored:
-            return
-        self._scored.append(time.monotonic())
-        if ev.purpose == "train":
-            self._rewards.append(ev.reward)
-            self._staleness.append(max(0, policy_version - ev.policy_version))
-
-    def on_metrics(self, m: Metrics) -> bool:
-        """Keep a trainer Metrics record (deduped by step); True when it was new."""
-        if m.source != "trainer" or m.step is None or m.step in self.metrics:
-            return False
-        self.metrics[m.step] = {"step": m.step, "policy_version": m.policy_version, "values": m.values,
-                                "time": m.time}
-        return True
-
-    def throughput(self) -> float:
-        """Scored samples per second over the last ``window_s`` (or since start when shorter)."""
-        now = time.monotonic()
-        while self._scored and self._scored[0] < now - self.window_s:
-            self._scored.popleft()
-        span = min(self.window_s, max(now - self.started, 1e-3))
-        return len(self._scored) / span
-
-    def staleness(self) -> dict[str, float | None]:
-        """``{mean, max}`` of policy version minus behaviour version over recent train events."""
-        s = self._staleness
-        return {"mean": sum(s) / len(s) if s else None, "max": max(s) if s else None}
-
-    def reward_mean(self) -> float | None:
-        """Mean reward of the recent scored train samples (``None`` before any)."""
-        return sum(self._rewards) / len(self._rewards) if self._rewards else None
-
-    def history(self) -> list[dict[str, Any]]:
-        """Trainer Metrics records in step order."""
-        return [self.metrics[k] for k in sorted(self.metrics)]
 
 
 class SchedulerState:
@@ -97,7 +39,7 @@ class SchedulerState:
         self.kafka = kafka
         self.stats = Stats(config.scheduler.status_window_s, config.scheduler.recent_samples)
         self.producer: AIOKafkaProducer | None = None
-        self.sampler: Any = None
+        self.sampler: Sampler | None = None
         self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -108,12 +50,10 @@ class SchedulerState:
         """
         if not self.kafka:
             return
-        from scheduler_service.sampler import Sampler  # sampler imports this module
-
         await ensure_topics(self.config.kafka)
         self.producer = make_producer(self.config.kafka, client_id="scheduler")
         await self.producer.start()
-        self.sampler = Sampler(self)
+        self.sampler = Sampler(self.config, self.registry, self.producer, self.stats)
         await self.sampler.start()
 
     async def stop(self, timeout_s: float = 10.0) -> None:

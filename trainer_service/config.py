@@ -1,10 +1,14 @@
 """Configuration of the trainer service (section ``trainer``)."""
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.config import BudgetConfig, Settings, WeightsConfig
+from trainer_service.losses.config import GRPOLossConfig, LossConfig
+
+LOSS_FIELDS = ("clip_eps", "clip_eps_high", "loss_agg", "max_response_tokens", "adv_eps", "off_policy", "is_cap")
+"""Loss hyper-parameters that were ``trainer.<field>`` and are now ``trainer.loss.<field>``."""
 
 
 class TrainerConfig(BaseModel):
@@ -12,13 +16,16 @@ class TrainerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    loss: Literal["grpo", "bnpo", "dr_grpo", "dapo", "rloo", "gspo"] = "grpo"
-    """Loss family (``trainer_service/losses/``; each means TRL's ``loss_type`` of that name, the table
-    in ``losses/__init__.py`` gives the verl settings): ``grpo`` (group mean/std advantages, PPO clip,
-    mean per sequence then over sequences), ``bnpo`` (the same, mean over the batch's tokens),
-    ``dr_grpo`` (no std division, token sum over a constant L_max), ``dapo`` (clip-higher 0.28,
-    token mean; pair it with ``scheduler.oversample`` for dynamic sampling and ``truncation: penalise``
-    for overlong shaping), ``rloo`` (leave-one-out baseline, token mean), ``gspo`` (sequence-level ratio)."""
+    loss: LossConfig = Field(default_factory=GRPOLossConfig)
+    """Loss family and its hyper-parameters, tagged by ``kind`` (``trainer_service/losses/config.py``, one
+    class per kind with its defaults; each means TRL's ``loss_type`` of that name, the table in
+    ``losses/__init__.py`` gives the verl settings): ``grpo`` (group mean/std advantages, PPO clip, mean per
+    sequence then over sequences), ``bnpo`` (the same, mean over the batch's tokens), ``dr_grpo`` (no std
+    division, token sum over a constant L_max), ``dapo`` (clip-higher 0.28, token mean; pair it with
+    ``budget.oversample`` for dynamic sampling and ``truncation: penalise`` for overlong shaping), ``rloo``
+    (leave-one-out baseline, token mean), ``gspo`` (sequence-level ratio). A string is the kind with its
+    defaults (``loss: bnpo``); a mapping sets fields of that kind only (``loss: {kind: grpo, loss_agg:
+    token_mean, clip_eps: 0.2}``): a field the kind does not have is an error."""
     lr: float = Field(1e-5, gt=0, le=1.0)
     """AdamW peak learning rate."""
     lr_warmup_steps: int = Field(0, ge=0)
@@ -34,25 +41,10 @@ class TrainerConfig(BaseModel):
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
-    clip_eps: float | None = Field(None, gt=0, le=10.0)
-    """ε_low of the clipped ratio; ``None`` = the loss's default (0.2; GSPO 3e-4)."""
-    clip_eps_high: float | None = Field(None, gt=0, le=10.0)
-    """ε_high; ``None`` = the loss's default (= ε_low; DAPO 0.28; GSPO 4e-4)."""
-    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] | None = None
-    """Aggregation (``losses/grpo.py``); ``None`` = the loss's default (grpo seq_mean_token_mean; bnpo,
-    dapo, rloo token_mean; dr_grpo seq_mean_token_sum; GSPO always averages sequences)."""
-    max_response_tokens: int = Field(1024, ge=1)
-    """L_max: the generation budget used by Dr. GRPO's constant normaliser."""
-    adv_eps: float = Field(1e-4, gt=0)
-    """Floor added to the group reward std before dividing (keeps near-constant groups bounded)."""
-    off_policy: Literal["ppo_clip", "decoupled", "tis"] = "ppo_clip"
-    """Correction for samples of older policies: clip against the behaviour policy, decoupled PPO
-    (clip against the trainer's own pre-step policy, times a truncated importance weight), or
-    truncated importance sampling. See ``losses/grpo.py``."""
-    is_cap: float = Field(2.0, ge=1.0)
-    """Cap of the truncated importance weight π/π_behaviour (``decoupled``, ``tis``)."""
     kl_coef: float = Field(0.0, ge=0.0)
-    """β of the KL to the frozen base model (0 = off, and no reference model is kept)."""
+    """β of the KL to the frozen base model (0 = off, and no reference model is kept). A trainer setting, not
+    part of ``loss``: it applies to every loss kind (aggregated like the surrogate) and decides whether the
+    trainer keeps a reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator (``losses/kl.py``); every one contributes the gradient of KL(π_θ ‖ π_ref), importance-
     weighted by π_θ/π_behaviour for samples of older policies (TRL's ``use_bias_correction_kl``)."""
@@ -79,6 +71,17 @@ class TrainerConfig(BaseModel):
     seed: int = 0
     """Seed of torch and the trainer's RNG."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_loss_fields(cls, data: Any) -> Any:
+        """Raises ValueError for a loss field at the top of the section, naming where it lives now."""
+        if isinstance(data, dict):
+            for key in LOSS_FIELDS:
+                if key in data:
+                    raise ValueError(f"trainer.{key} has moved to trainer.loss.{key} (e.g. loss: {{kind: grpo, "
+                                     f"{key}: ...}}; env FLYWHEEL_TRAINER__LOSS__{key.upper()})")
+        return data
+
 
 class TrainerSettings(Settings):
     """What the trainer process reads: its section, the shared ``weights`` and ``budget``, and ``kafka``,
@@ -86,4 +89,7 @@ class TrainerSettings(Settings):
 
     weights: WeightsConfig = WeightsConfig()
     budget: BudgetConfig = BudgetConfig()
-    trainer: TrainerConfig = TrainerConfig()
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """A factory, not an instance: with ``nested_model_default_partial_update`` pydantic-settings merges the
+    dump of a default *instance* under the file and the environment, which would fill a ``loss: {kind:
+    dapo}`` mapping with ``grpo``'s defaults (and reject ``gspo``'s missing fields)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from shared.groups import SampleOutcome, is_unsolved, resample_wanted
 from shared.schemas import ScoredTrajectory
 
 Partition = tuple[str, int]  # (topic, partition)
@@ -52,10 +53,10 @@ class Group:
 
     @property
     def unsolved(self) -> bool:
-        """No sample passed (:attr:`Reward.passed`), none was an infrastructure error, and all rewards
-        are equal: the scheduler's test for re-sampling a group (``Registry.record_reward`` with
-        ``scheduler.resample_unsolved``)."""
-        return self.zero_variance and not any(s.reward.passed or s.reward.infra_error for s in self.samples.values())
+        """:func:`shared.groups.is_unsolved` of its samples: the scheduler's test for re-sampling a group
+        (``Registry.record_reward`` with ``budget.resample_unsolved``)."""
+        return is_unsolved(SampleOutcome(s.reward.total, s.reward.passed, s.reward.infra_error)
+                           for s in self.samples.values())
 
     @property
     def behaviour_version(self) -> int:
@@ -71,7 +72,7 @@ class GroupBuffer:
             (and counted) once the trainer's version v has v − v_b > η.
         done_groups: group ids already trained or dropped (restored from a checkpoint); their
             records are skipped, so a redelivery never trains a sample twice.
-        resample_unsolved: ``scheduler.resample_unsolved``. When > 0, a complete group smaller than
+        resample_unsolved: ``budget.resample_unsolved``. When > 0, a complete group smaller than
             this that is :attr:`Group.unsolved` is set aside (counted ``superseded_unsolved``), never
             trained: the scheduler has sent a larger group of the same task in its place, outside
             its issue budget, so the trainer still gets ``batch_groups`` groups for every step.
@@ -118,7 +119,7 @@ class GroupBuffer:
             return
         if group.complete:
             group = self.partial.pop(gid)
-            if self.resample_unsolved > group.size and group.unsolved:
+            if resample_wanted(group.size, self.resample_unsolved) and group.unsolved:
                 self._finish(group, "superseded_unsolved")  # its re-sample trains in its place
             else:
                 self.ready.append(group)

@@ -2,10 +2,11 @@
 
 Loop: ``getmany`` → buffer records into groups → (drop stale) → announce every group dropped
 (stale, failed, superseded) on flywheel.group_drops and wait for the acks, so the scheduler gives
-its slot back → when ``batch_groups`` groups are ready, one optimizer step in a worker thread → snapshot weights and state → (in the background,
-in version order) write the version's weights, announce it on flywheel.weights, write the trainer
-state, send the step's metrics on flywheel.metrics, and only then release the trained groups' offsets →
-commit, per partition, the oldest offset not yet trained-and-durable or dropped.
+its slot back → when ``budget.batch_groups`` groups are ready, one optimizer step in a worker thread →
+snapshot weights and state → (in the background, in version order: :class:`Publisher`) write the
+version's weights, announce it on flywheel.weights, write the trainer state, send the step's metrics
+on flywheel.metrics, and only then release the trained groups' offsets → commit, per partition, the
+oldest offset not yet trained-and-durable or dropped. One pass of this loop is :meth:`TrainLoop.turn`.
 
 Writing a checkpoint overlaps the next optimizer step. A version is announced as soon as its
 weights are durable (~1 s for SmolLM2 here), before the optimizer state (~1.5 s more): rollout
@@ -19,16 +20,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from aiokafka import TopicPartition
 
 from shared import kafka, topics
 from shared.checkpoint import CheckpointStore, load_weights, snapshot_weights
-from trainer_service.config import TrainerSettings
 from shared.model import load_model, load_tokenizer, resolve_model_dir
 from shared.schemas import GroupDropped, Metrics, ScoredTrajectory
-from trainer_service.groups import GroupBuffer
+from trainer_service.config import TrainerSettings
+from trainer_service.groups import Group, GroupBuffer
 from trainer_service.trainer import PolicyTrainer
 
 log = logging.getLogger("trainer")
@@ -72,65 +75,132 @@ def build_trainer(config: TrainerSettings) -> tuple[PolicyTrainer, CheckpointSto
 
 
 async def run(config: TrainerSettings, stop: asyncio.Event | None = None) -> None:
-    """Run the trainer until ``stop`` is set (SIGTERM/SIGINT set it when ``stop`` is None)."""
+    """Run the trainer until ``stop`` is set (SIGTERM/SIGINT set it when ``stop`` is None).
+
+    Raises:
+        RuntimeError: the checkpoint store is inconsistent (:func:`build_trainer`).
+        aiokafka.errors.KafkaError: the broker cannot be reached at start-up.
+    """
     stop, _ = kafka.prepare_service("trainer", config, stop)
-    cfg = config.trainer
     trainer, store, done = await asyncio.to_thread(build_trainer, config)
     buffer = GroupBuffer(config.budget.max_staleness, done, config.budget.resample_unsolved)
     await kafka.ensure_topics(config.kafka)
     producer = kafka.make_producer(config.kafka, "trainer")
     consumer = kafka.make_consumer(config.kafka, topics.SCORED, group_id="trainer", client_id="trainer")
-    broadcaster = None
-    if config.weights.transport == "distributed":
-        from shared.weight_sync import WeightBroadcaster
-
-        broadcaster = await asyncio.to_thread(WeightBroadcaster, config.weights.broadcast_host,
-                                              config.weights.broadcast_port, config.weights.broadcast_backend,
-                                              config.weights.broadcast_timeout_s)
-        log.info("weight broadcast store on %s:%d", config.weights.broadcast_host, config.weights.broadcast_port)
+    publisher = Publisher(config, store, buffer, producer, await _broadcaster(config))
     await producer.start()
     latest = store.newest_published()
     if latest is not None:  # re-announce: the broker may have lost the record (or it was never sent)
         await (await kafka.send(producer, topics.WEIGHTS, latest, latest.model))
     await consumer.start()
+    loop = TrainLoop(config, trainer, buffer, consumer, producer, publisher)
     try:
-        last_step_end = last_report = time.perf_counter()
-        publishing: asyncio.Task | None = None
         while not stop.is_set():
-            batch = await consumer.getmany(timeout_ms=200, max_records=1024)
-            for tp, msgs in batch.items():
-                for msg in msgs:
-                    scored = await kafka.decode_or_dead_letter(producer, msg, ScoredTrajectory, "trainer")
-                    buffer.add(scored, (tp.topic, tp.partition), msg.offset)
-            if trainer.version < config.budget.max_steps:
-                buffer.drop_stale(trainer.version)
-            if buffer.has_drops:
-                await _announce_drops(producer, buffer, trainer.version)
-            if trainer.version < config.budget.max_steps:
-                if len(buffer.ready) >= config.budget.batch_groups:
-                    wait_s = time.perf_counter() - last_step_end
-                    publishing = await _step(config, trainer, store, buffer, producer, wait_s, publishing,
-                                             broadcaster)
-                    last_step_end = time.perf_counter()
-                elif time.perf_counter() - max(last_step_end, last_report) > cfg.stall_report_s:
-                    last_report = time.perf_counter()
-                    log.warning("no step for %.0f s at policy version %d (assigned %s): %s", last_report - last_step_end,
-                                trainer.version, sorted(consumer.assignment()), buffer.describe())
-            if publishing is not None and publishing.done():
-                publishing.result()  # surface a failed save or send
-            offsets = {TopicPartition(t, p): o for (t, p), o in buffer.commit_offsets().items()}
-            if offsets and not buffer.has_drops:  # a drop not yet acknowledged keeps its records uncommitted
-                await consumer.commit(offsets)
-        if publishing is not None:  # graceful stop: finish announcing what was trained
-            await asyncio.wait_for(publishing, timeout=120)
-            offsets = {TopicPartition(t, p): o for (t, p), o in buffer.commit_offsets().items()}
-            if offsets and not buffer.has_drops:
-                await consumer.commit(offsets)
+            await loop.turn()
+        await loop.drain()  # graceful stop: finish announcing what was trained
     except asyncio.CancelledError:
         raise
     finally:
         await asyncio.wait_for(_close(consumer, producer), timeout=15)
         log.info("trainer stopped at policy version %d", trainer.version)
+
+
+async def _broadcaster(config: TrainerSettings):
+    """The torch.distributed weight broadcaster (``weights.transport: distributed``), else ``None``."""
+    if config.weights.transport != "distributed":
+        return None
+    from shared.weight_sync import WeightBroadcaster
+
+    w = config.weights
+    broadcaster = await asyncio.to_thread(WeightBroadcaster, w.broadcast_host, w.broadcast_port, w.broadcast_backend,
+                                          w.broadcast_timeout_s)
+    log.info("weight broadcast store on %s:%d", w.broadcast_host, w.broadcast_port)
+    return broadcaster
+
+
+class TrainLoop:
+    """One pass of the trainer's loop per :meth:`turn`: take records, drop and announce, step, commit.
+
+    Args:
+        config: the trainer's settings.
+        trainer: the model and optimizer.
+        buffer: the group buffer (resumed with the groups already trained).
+        consumer: a started consumer of flywheel.scored (manual commits).
+        producer: a started producer (drops, dead letters).
+        publisher: makes each step durable and announces it, in version order.
+    """
+
+    def __init__(self, config: TrainerSettings, trainer: PolicyTrainer, buffer: GroupBuffer, consumer,
+                 producer, publisher: "Publisher") -> None:
+        self.config, self.trainer, self.buffer = config, trainer, buffer
+        self.consumer, self.producer, self.publisher = consumer, producer, publisher
+        self.publishing: asyncio.Task | None = None
+        self.last_step_end = self.last_report = time.perf_counter()
+
+    async def turn(self) -> None:
+        """Intake (≤ 200 ms long-poll), drops, at most one step, then commit what is durable."""
+        budget, buffer = self.config.budget, self.buffer
+        await self._intake()
+        training = self.trainer.version < budget.max_steps
+        if training:
+            buffer.drop_stale(self.trainer.version)
+        if buffer.has_drops:
+            await _announce_drops(self.producer, buffer, self.trainer.version)
+        if training:
+            if len(buffer.ready) >= budget.batch_groups:
+                await self._step()
+            else:
+                self._report_stall()
+        if self.publishing is not None and self.publishing.done():
+            self.publishing.result()  # surface a failed save or send
+        await self._commit()
+
+    async def drain(self) -> None:
+        """Wait (≤ 120 s) for the step being published, then commit."""
+        if self.publishing is not None:
+            await asyncio.wait_for(self.publishing, timeout=120)
+            await self._commit()
+
+    async def _intake(self) -> None:
+        batch = await self.consumer.getmany(timeout_ms=200, max_records=1024)
+        for tp, msgs in batch.items():
+            for msg in msgs:
+                scored = await kafka.decode_or_dead_letter(self.producer, msg, ScoredTrajectory, "trainer")
+                self.buffer.add(scored, (tp.topic, tp.partition), msg.offset)
+
+    async def _commit(self) -> None:
+        """Commit per partition the oldest offset not yet trained-and-durable; never while a drop is
+        unacknowledged (its records must come back after a crash)."""
+        offsets = {TopicPartition(t, p): o for (t, p), o in self.buffer.commit_offsets().items()}
+        if offsets and not self.buffer.has_drops:
+            await self.consumer.commit(offsets)
+
+    def _report_stall(self) -> None:
+        now = time.perf_counter()
+        if now - max(self.last_step_end, self.last_report) > self.config.trainer.stall_report_s:
+            self.last_report = now
+            log.warning("no step for %.0f s at policy version %d (assigned %s): %s", now - self.last_step_end,
+                        self.trainer.version, sorted(self.consumer.assignment()), self.buffer.describe())
+
+    async def _step(self) -> None:
+        """Train one step now; its publication runs in the background after the previous one's."""
+        trainer, buffer, budget = self.trainer, self.buffer, self.config.budget
+        wait_s = time.perf_counter() - self.last_step_end
+        # with oversampling (budget.oversample > 1) the scheduler issues more groups than a step takes:
+        # pick those whose rewards differ first; the rest wait for the next step or go stale (counted)
+        groups = buffer.take(budget.batch_groups, prefer_informative=budget.oversample > 1)
+        metrics = await asyncio.to_thread(trainer.train_step, groups)
+        t0 = time.perf_counter()
+        done = buffer.done_groups | buffer.in_flight  # includes earlier steps still being saved
+        weights, state = await asyncio.to_thread(lambda: (snapshot_weights(trainer.model), trainer.state_dict(done)))
+        metrics["time/snapshot_s"] = time.perf_counter() - t0
+        metrics["time/wait_for_data_s"] = wait_s
+        for k in ("dropped_stale", "dropped_failed", "duplicates_skipped", "superseded_unsolved"):
+            metrics[f"train/{k}_total"] = float(buffer.counters[k])
+        metrics["train/trained_groups_total"] = float(buffer.counters["trained_groups"] + len(groups))
+        snap = StepSnapshot(groups, weights, state, metrics, trainer.version, trainer.step)
+        self.publishing = asyncio.create_task(self.publisher.publish(snap, self.publishing))
+        self.last_step_end = time.perf_counter()
 
 
 async def _announce_drops(producer, buffer: GroupBuffer, version: int) -> None:
@@ -160,54 +230,71 @@ async def _announce_drops(producer, buffer: GroupBuffer, version: int) -> None:
                  "scheduler", d.group_id, d.reason, d.behaviour_version, version, d.samples)
 
 
-async def _step(config: TrainerSettings, trainer: PolicyTrainer, store: CheckpointStore, buffer: GroupBuffer,
-                producer, wait_s: float, previous: asyncio.Task | None, broadcaster=None) -> asyncio.Task:
-    """Train one step now; return the task that makes it durable and announces it (after ``previous``)."""
-    cfg = config.trainer
-    # with oversampling (budget.oversample > 1) the scheduler issues more groups than a step takes:
-    # pick those whose rewards differ first; the rest wait for the next step or go stale (counted)
-    groups = buffer.take(config.budget.batch_groups, prefer_informative=config.budget.oversample > 1)
-    metrics = await asyncio.to_thread(trainer.train_step, groups)
-    t0 = time.perf_counter()
-    done = buffer.done_groups | buffer.in_flight  # includes earlier steps still being saved
-    weights, state = await asyncio.to_thread(lambda: (snapshot_weights(trainer.model), trainer.state_dict(done)))
-    metrics["time/snapshot_s"] = time.perf_counter() - t0
-    metrics["time/wait_for_data_s"] = wait_s
-    for k in ("dropped_stale", "dropped_failed", "duplicates_skipped", "superseded_unsolved"):
-        metrics[f"train/{k}_total"] = float(buffer.counters[k])
-    metrics["train/trained_groups_total"] = float(buffer.counters["trained_groups"] + len(groups))
-    return asyncio.create_task(_publish(config, store, buffer, producer, groups, weights, state, metrics,
-                                        trainer.version, trainer.step, previous, broadcaster))
+@dataclass
+class StepSnapshot:
+    """What one optimizer step leaves to publish: copied before the next step changes the model."""
+
+    groups: list[Group]
+    """The groups it trained (their offsets are released once the version is durable)."""
+    weights: dict[str, torch.Tensor]
+    """CPU copies of the new weights (:func:`shared.checkpoint.snapshot_weights`)."""
+    state: dict[str, Any]
+    """Optimizer, LR schedule, RNG and counters (:meth:`PolicyTrainer.state_dict`)."""
+    metrics: dict[str, float]
+    """The step's metrics; the publisher adds its own timings (seconds) before sending them."""
+    version: int
+    """The policy version the step produced."""
+    step: int
+    """Optimizer steps taken so far."""
 
 
-async def _publish(config: TrainerSettings, store: CheckpointStore, buffer: GroupBuffer, producer, groups,
-                   weights, state, metrics: dict, version: int, step: int, previous: asyncio.Task | None,
-                   broadcaster=None) -> None:
-    if previous is not None:
-        await previous  # versions become durable and are announced in order
-    t0 = time.perf_counter()
-    ids = [g.group_id for g in groups]
-    update = await asyncio.to_thread(store.save_weights, weights, config.model.name, version, step, ids)
-    receivers = await asyncio.to_thread(broadcaster.live_receivers) if broadcaster else []
-    if receivers:  # the file stays the fallback for anyone outside the session or whose session fails
-        await asyncio.to_thread(broadcaster.prepare, version, receivers, weights)
-        update = update.model_copy(update={"transport": "distributed", "receivers": receivers})
-    await (await kafka.send(producer, topics.WEIGHTS, update, update.model))
-    metrics["time/publish_s"] = time.perf_counter() - t0  # step end → version announced, less the snapshot
-    if receivers:
-        res = await asyncio.to_thread(broadcaster.broadcast, version, weights, receivers)
-        metrics["weights/broadcast_ok"] = float(res["ok"])
-        metrics["weights/broadcast_receivers"] = float(len(receivers))
-        metrics["time/broadcast_s"] = res["seconds"]
-    await asyncio.to_thread(store.save_trainer_state, update, state)
-    metrics["time/checkpoint_s"] = time.perf_counter() - t0
-    buffer.mark_trained(groups)  # their offsets may be committed only now
-    rec = Metrics(source="trainer", step=step, policy_version=version, values=metrics)
-    await (await kafka.send(producer, topics.METRICS, rec, "trainer"))
-    log.info("step %d -> policy version %d: reward %.3f loss %.4f (%.1f s train, %.1f s to announce, %.1f s to "
-             "checkpoint, %.1f s waited)", step, version, metrics["train/reward_mean"], metrics["loss/pg"],
-             metrics["time/train_step_s"], metrics["time/publish_s"], metrics["time/checkpoint_s"],
-             metrics["time/wait_for_data_s"])
+class Publisher:
+    """Makes each step durable and announces it, in version order (a step's publication overlaps the
+    next step's training).
+
+    Per version: write the weights, broadcast them to the live receivers (``weights.transport:
+    distributed``; the file stays the fallback), announce the WeightUpdate on flywheel.weights, write
+    the trainer state, release the groups' offsets, send the metrics on flywheel.metrics.
+    """
+
+    def __init__(self, config: TrainerSettings, store: CheckpointStore, buffer: GroupBuffer, producer,
+                 broadcaster=None) -> None:
+        self.config, self.store, self.buffer, self.producer, self.broadcaster = config, store, buffer, producer, broadcaster
+
+    async def publish(self, snap: StepSnapshot, previous: asyncio.Task | None) -> None:
+        """Publish ``snap`` after ``previous`` (the previous version's publication) has finished.
+
+        Raises:
+            OSError: the checkpoint could not be written.
+            aiokafka.errors.KafkaError: an announcement could not be sent.
+        """
+        if previous is not None:
+            await previous  # versions become durable and are announced in order
+        store, metrics, broadcaster = self.store, snap.metrics, self.broadcaster
+        t0 = time.perf_counter()
+        ids = [g.group_id for g in snap.groups]
+        update = await asyncio.to_thread(store.save_weights, snap.weights, self.config.model.name, snap.version,
+                                         snap.step, ids)
+        receivers = await asyncio.to_thread(broadcaster.live_receivers) if broadcaster else []
+        if receivers:  # the file stays the fallback for anyone outside the session or whose session fails
+            await asyncio.to_thread(broadcaster.prepare, snap.version, receivers, snap.weights)
+            update = update.model_copy(update={"transport": "distributed", "receivers": receivers})
+        await (await kafka.send(self.producer, topics.WEIGHTS, update, update.model))
+        metrics["time/publish_s"] = time.perf_counter() - t0  # step end → version announced, less the snapshot
+        if receivers:
+            res = await asyncio.to_thread(broadcaster.broadcast, snap.version, snap.weights, receivers)
+            metrics["weights/broadcast_ok"] = float(res["ok"])
+            metrics["weights/broadcast_receivers"] = float(len(receivers))
+            metrics["time/broadcast_s"] = res["seconds"]
+        await asyncio.to_thread(store.save_trainer_state, update, snap.state)
+        metrics["time/checkpoint_s"] = time.perf_counter() - t0
+        self.buffer.mark_trained(snap.groups)  # their offsets may be committed only now
+        rec = Metrics(source="trainer", step=snap.step, policy_version=snap.version, values=metrics)
+        await (await kafka.send(self.producer, topics.METRICS, rec, "trainer"))
+        log.info("step %d -> policy version %d: reward %.3f loss %.4f (%.1f s train, %.1f s to announce, %.1f s to "
+                 "checkpoint, %.1f s waited)", snap.step, snap.version, metrics["train/reward_mean"],
+                 metrics["loss/pg"], metrics["time/train_step_s"], metrics["time/publish_s"],
+                 metrics["time/checkpoint_s"], metrics["time/wait_for_data_s"])
 
 
 async def _close(*clients) -> None:

@@ -1,10 +1,19 @@
 """The policy trainer: one optimizer step of a GRPO-family loss over complete groups.
 
-A step reads top to bottom in named phases: truncation policy → advantages (``losses/advantages.py``)
-→ micro-batched forward and backward (gradients accumulate, normalised by the whole batch's token or
-sequence count; rows whose advantage is exactly 0 are skipped when there is no KL term, since their
-loss and gradient are exactly 0) → KL to the reference (optional; importance-weighted to the behaviour
-policy under staleness) → clip → AdamW step → LR schedule.
+A step (:meth:`PolicyTrainer.train_step`) reads top to bottom in named phases, one method each:
+
+1. ``_plan``: truncation policy → advantages (``losses/advantages.py``) → the rows that train, sorted
+   so that a group shares a micro-batch → the whole batch's normaliser (token or sequence count) → the
+   rows that go through the model (rows whose advantage is exactly 0 are skipped when there is no KL
+   term, since their loss and gradient are exactly 0).
+2. ``_forward_backward``: zero the gradients, then phase 3 for each micro-batch of
+   ``trainer.micro_batch_size`` rows.
+3. ``_micro_batch``: log π_θ (prefix-shared forward, :func:`completion_logprobs`) → the loss's surrogate
+   against the behaviour log-probs (``trainer.loss``, resolved once by ``losses.resolve_loss``) → KL to
+   the reference (optional; importance-weighted to the behaviour policy under staleness) → backward
+   (gradients accumulate).
+4. ``_optimizer_step``: clip → AdamW step → LR schedule → version + 1.
+5. ``_metrics``: the summed statistics as per-token means, and the batch's counters.
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ import math
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
@@ -25,9 +34,9 @@ from shared.schemas import ScoredTrajectory
 from trainer_service.config import TrainerConfig
 from trainer_service.groups import Group
 from trainer_service.losses import resolve_loss
-from trainer_service.losses.advantages import group_advantages
-from trainer_service.losses.grpo import aggregate, batch_normalizer
+from trainer_service.losses.grpo import aggregate
 from trainer_service.losses.kl import kl_importance_weight, kl_term, kl_value
+from trainer_service.losses.output import LossOutput, TokenMean, token_means
 
 
 @dataclass
@@ -57,7 +66,7 @@ class Batch:
 
 
 def collate(rows: list[ScoredTrajectory], pad_id: int, dtype: torch.dtype = torch.float32) -> Batch:
-    """Pad ``rows`` into a :class:`Batch`."""
+    """Pad ``rows`` into a :class:`Batch` (``dtype``: of its log-probs, loss mask and temperatures)."""
     prompts: dict[tuple[int, ...], int] = {}
     row_prompt = [prompts.setdefault(tuple(r.trajectory.prompt_ids), len(prompts)) for r in rows]
     P = max(len(p) for p in prompts)
@@ -141,6 +150,62 @@ def lr_factor(cfg: TrainerConfig, max_steps: int, step: int) -> float:
     return cfg.lr_min_ratio + (1.0 - cfg.lr_min_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
 
 
+@dataclass
+class StepPlan:
+    """The rows of one optimizer step and their advantages, after the truncation policy (phase 1).
+
+    ``all_rows``: the N rows of the step's groups, in group order; ``all_adv``: ``[N]`` float32, their
+    advantages; ``zero_var``: groups whose advantages are all exactly 0. ``rows``: the R ≤ N rows that
+    train (``truncation: mask`` leaves out rows cut at the token budget), sorted by prompt and length so
+    that a group's rows share a micro-batch; ``advantages``: ``[R]`` float32. ``n_tokens``: unmasked
+    tokens of the R rows (≥ 1). ``normalizer``: the loss denominator of the R rows
+    (``grpo.batch_normalizer``, ≥ 1). ``live_rows``, ``live_adv`` ``[L]`` float32: the L ≤ R rows that go
+    through the model (without a KL term, a row whose advantage is exactly 0 has loss and gradient
+    exactly 0 and is skipped); ``live_tokens``: their unmasked tokens (≥ 1).
+    """
+
+    all_rows: list[ScoredTrajectory]
+    all_adv: torch.Tensor
+    zero_var: int
+    rows: list[ScoredTrajectory]
+    advantages: torch.Tensor
+    n_tokens: float
+    normalizer: float
+    live_rows: list[ScoredTrajectory]
+    live_adv: torch.Tensor
+    live_tokens: float
+
+
+@dataclass
+class StepSums:
+    """What the micro-batches of one step add up (phase 3), before it becomes metrics (phase 5).
+
+    ``pg``, ``kl_ref``: sums of the micro-batches' surrogate losses and β-free KL terms (each a share of
+    the batch loss, so the sums are the batch's). ``tokens``: the surrogate's ``_sum`` statistics plus
+    ``loss/entropy_sum`` (nats), whatever keys the loss returned; ``kl_tokens``: ``loss/kl_ref_sum`` and
+    ``loss/kl_ref_weight_sum``. All sums over unmasked tokens, plain floats.
+    """
+
+    pg: float = 0.0
+    kl_ref: float = 0.0
+    tokens: dict[str, float] = field(default_factory=dict)
+    kl_tokens: dict[str, float] = field(default_factory=dict)
+
+
+ENTROPY_METRICS = {"loss/entropy_sum": TokenMean("loss/entropy")}
+"""The trainer's own per-token statistic: the entropy of the policy at each trained token (nats)."""
+KL_METRICS = {"loss/kl_ref_sum": TokenMean("loss/kl_ref_mean"),
+              "loss/kl_ref_weight_sum": TokenMean("loss/kl_ref_weight_mean", empty=1.0)}
+"""The KL term's per-token statistics: the importance-weighted estimate of KL(π_θ ‖ π_ref) and the mean
+weight π_θ/π_behaviour (``losses/kl.py``)."""
+
+
+def _add(sums: dict[str, float], metrics: dict[str, float]) -> None:
+    """Add each of ``metrics`` to ``sums`` (a missing key starts at 0)."""
+    for k, v in metrics.items():
+        sums[k] = sums.get(k, 0.0) + v
+
+
 class PolicyTrainer:
     """Model + AdamW + LR schedule + the counters that define the policy version.
 
@@ -153,8 +218,7 @@ class PolicyTrainer:
         self.model = model
         self.cfg = cfg
         self.pad_id = pad_id
-        self.loss = resolve_loss(cfg)
-        self.loss_cfg = self.loss.cfg
+        self.loss = resolve_loss(cfg.loss)
         self.ref_model: torch.nn.Module | None = None
         if cfg.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval()
@@ -168,7 +232,12 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self, groups: list[Group]) -> dict[str, float]:
-        """One optimizer step on complete groups; returns metrics (names prefixed by area).
+        """One optimizer step on complete groups; returns metrics (names prefixed by area: ``loss/``,
+        ``train/``, ``time/``; per-token statistics are means over the tokens that went through the model).
+
+        Phases: :meth:`_plan` (truncation policy, advantages, row order, normaliser, rows to skip) →
+        :meth:`_forward_backward` (per micro-batch: :meth:`_micro_batch`) → :meth:`_optimizer_step`
+        (clip, AdamW, LR schedule, version) → :meth:`_metrics`.
 
         Raises:
             ValueError: ``groups`` is empty.
@@ -176,46 +245,75 @@ class PolicyTrainer:
         if not groups:
             raise ValueError("train_step needs at least one group")
         t0 = time.perf_counter()
+        plan = self._plan(groups)
+        sums = self._forward_backward(plan)
+        grad_norm, lr = self._optimizer_step()
+        return self._metrics(len(groups), plan, sums, grad_norm, lr, time.perf_counter() - t0)
+
+    def _plan(self, groups: list[Group]) -> StepPlan:
+        """Phase 1: rows, advantages (:meth:`_advantages`), the rows that train and those that go through the model.
+
+        The result does not depend on the micro-batch split: the normaliser counts every training row
+        (skipped ones included), and the sort only puts a group's rows (one prompt pass) and similar
+        lengths (less padding) together.
+        """
         all_rows, all_adv, zero_var, trains = self._advantages(groups)
         # truncation "mask": those rows count in their group's advantages but train nothing
         rows = [r for r, t in zip(all_rows, trains) if t]
         advantages = all_adv[torch.tensor(trains, dtype=torch.bool)]
-        # a group's rows share a micro-batch (one prompt pass), similar lengths together (less padding);
-        # the result does not depend on the split
         order = sorted(range(len(rows)), key=lambda i: (len(rows[i].trajectory.prompt_ids),
                                                         rows[i].trajectory.prompt_ids,
                                                         len(rows[i].trajectory.completion_ids)))
         rows, advantages = [rows[i] for i in order], advantages[order]
         tokens = [sum(r.trajectory.loss_mask) for r in rows]
-        n_tokens = max(1.0, float(sum(tokens)))
-        # the denominator counts every training row, including those skipped below
-        normalizer = batch_normalizer([r.trajectory.loss_mask for r in rows], self.loss_cfg)
-        # without a KL term, a row with advantage exactly 0 (its group's rewards are all equal) has loss
-        # and gradient exactly 0: skip its forward and backward, the step is the same
+        normalizer = self.loss.normalizer([r.trajectory.loss_mask for r in rows])
         live = [i for i in range(len(rows)) if advantages[i] != 0 or self.ref_model is not None]
-        live_rows, live_adv = [rows[i] for i in live], advantages[live]
-        live_tokens = max(1.0, float(sum(tokens[i] for i in live)))
+        return StepPlan(all_rows, all_adv, zero_var, rows, advantages, max(1.0, float(sum(tokens))), normalizer,
+                        [rows[i] for i in live], advantages[live], max(1.0, float(sum(tokens[i] for i in live))))
+
+    def _forward_backward(self, plan: StepPlan) -> StepSums:
+        """Phase 2: zero the gradients and accumulate those of every live micro-batch of
+        ``cfg.micro_batch_size`` rows (:meth:`_micro_batch`); returns the step's sums."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {"loss/pg": 0.0, "loss/kl_ref": 0.0, "loss/clip_frac_sum": 0.0,
-                                  "loss/kl_behaviour_sum": 0.0, "loss/ratio_sum": 0.0, "loss/is_weight_sum": 0.0,
-                                  "loss/is_truncated_sum": 0.0, "loss/entropy_sum": 0.0, "loss/kl_ref_sum": 0.0,
-                                  "loss/kl_ref_weight_sum": 0.0}
+        sums = StepSums()
         mb = self.cfg.micro_batch_size
-        for i in range(0, len(live_rows), mb):
-            batch = collate(live_rows[i:i + mb], self.pad_id)
-            ent: list[torch.Tensor] = []
-            logprobs = completion_logprobs(self.model, batch, self.cfg.autocast_bf16, entropy=ent)
-            loss, m = self.loss.surrogate(logprobs, batch.behaviour_logprobs, live_adv[i:i + mb], batch.loss_mask,
-                                          normalizer, self.loss_cfg)
-            sums["loss/pg"] += float(loss.detach())
-            mask = batch.loss_mask
-            if self.ref_model is not None:
-                loss = loss + self.cfg.kl_coef * self._kl_to_reference(logprobs, batch, normalizer, sums)
-            loss.backward()
-            sums["loss/entropy_sum"] += float((ent[0] * mask).sum())
-            for k, v in m.items():
-                sums[k] += v
+        for i in range(0, len(plan.live_rows), mb):
+            self._micro_batch(plan.live_rows[i:i + mb], plan.live_adv[i:i + mb], plan.normalizer, sums)
+        return sums
+
+    def _micro_batch(self, rows: list[ScoredTrajectory], advantages: torch.Tensor, normalizer: float,
+                     sums: StepSums) -> None:
+        """Phase 3, one micro-batch of B rows: forward, loss, backward (gradients accumulate), adding to ``sums``.
+
+        Args:
+            rows: the B rows (collated to ``[B, T]``; log π_θ is ``[B, T]`` float32, float64 for a float64 model).
+            advantages: ``[B]`` float32.
+            normalizer: the whole batch's loss denominator (:attr:`StepPlan.normalizer`).
+            sums: the step's sums so far (updated in place).
+        """
+        batch = collate(rows, self.pad_id)
+        ent: list[torch.Tensor] = []
+        logprobs = completion_logprobs(self.model, batch, self.cfg.autocast_bf16, entropy=ent)  # [B, T], grad
+        out = self.loss.surrogate(logprobs, batch.behaviour_logprobs, advantages, batch.loss_mask, normalizer,
+                                  self.loss.cfg)
+        sums.pg += float(out.loss.detach())
+        loss = out.loss
+        if self.ref_model is not None:
+            kl = self._kl_to_reference(logprobs, batch, normalizer)
+            sums.kl_ref += float(kl.loss.detach())
+            _add(sums.kl_tokens, kl.metrics)
+            loss = loss + self.cfg.kl_coef * kl.loss
+        loss.backward()
+        _add(sums.tokens, {"loss/entropy_sum": float((ent[0] * batch.loss_mask).sum())})
+        _add(sums.tokens, out.metrics)
+
+    def _optimizer_step(self) -> tuple[float, float]:
+        """Phase 4: clip the global gradient norm, step AdamW and the LR schedule, count the new version.
+
+        Returns:
+            ``(grad_norm, lr)``: the L2 norm of the gradient before clipping and the learning rate of this step.
+        """
         for p in self.model.parameters():  # AdamW skips a None grad; a zero one still moves the moments
             if p.grad is None and p.requires_grad:
                 p.grad = torch.zeros_like(p)
@@ -226,66 +324,66 @@ class PolicyTrainer:
         self.model.eval()
         self.step += 1
         self.version += 1
-        rewards = [r.reward.total for r in all_rows]
-        lengths = [len(r.trajectory.completion_ids) for r in all_rows]
-        staleness = [self.version - 1 - r.trajectory.behaviour_version for r in all_rows]
-        elapsed = time.perf_counter() - t0
+        return float(grad_norm), float(lr)
+
+    def _metrics(self, n_groups: int, plan: StepPlan, sums: StepSums, grad_norm: float, lr: float,
+                 elapsed: float) -> dict[str, float]:
+        """Phase 5: the step's metrics: ``loss/pg``, the per-token means of ``sums`` over the live tokens
+        (the loss's :attr:`LossSpec.metrics`, then ``loss/entropy``), ``train/*``, ``time/train_step_s``
+        (seconds), the staleness histogram and, with a KL term, ``loss/kl_ref`` and its per-token means."""
+        rows = plan.all_rows
+        rewards = [r.reward.total for r in rows]
+        staleness = [self.version - 1 - r.trajectory.behaviour_version for r in rows]
+        any_live = bool(plan.live_rows)
         metrics = {
-            "loss/pg": sums["loss/pg"],
-            # per-token statistics over the tokens that went through the model
-            "loss/clip_frac": sums["loss/clip_frac_sum"] / live_tokens,
-            "loss/kl_behaviour": sums["loss/kl_behaviour_sum"] / live_tokens,
-            "loss/ratio_mean": sums["loss/ratio_sum"] / live_tokens if live_rows else 1.0,
-            "loss/is_weight_mean": sums["loss/is_weight_sum"] / live_tokens if live_rows else 1.0,
-            "loss/is_truncated_frac": sums["loss/is_truncated_sum"] / live_tokens,
-            "loss/entropy": sums["loss/entropy_sum"] / live_tokens,
-            "train/grad_norm": float(grad_norm),
-            "train/lr": float(lr),
+            "loss/pg": sums.pg,
+            **token_means(sums.tokens, {**self.loss.metrics, **ENTROPY_METRICS}, plan.live_tokens, any_live),
+            "train/grad_norm": grad_norm,
+            "train/lr": lr,
             "train/reward_mean": float(np.mean(rewards)),
             "train/pass_rate": float(np.mean([x >= 1.0 for x in rewards])),
-            "train/adv_mean": float(all_adv.mean()),
-            "train/adv_std": float(all_adv.std()) if len(all_adv) > 1 else 0.0,
-            "train/response_len": float(np.mean(lengths)),
-            "train/truncated_frac": float(np.mean([r.trajectory.finish_reason == "length" for r in all_rows])),
-            "train/truncated_masked": float(len(all_rows) - len(rows)),
+            "train/adv_mean": float(plan.all_adv.mean()),
+            "train/adv_std": float(plan.all_adv.std()) if len(plan.all_adv) > 1 else 0.0,
+            "train/response_len": float(np.mean([len(r.trajectory.completion_ids) for r in rows])),
+            "train/truncated_frac": float(np.mean([r.trajectory.finish_reason == "length" for r in rows])),
+            "train/truncated_masked": float(len(rows) - len(plan.rows)),
             "train/staleness_mean": float(np.mean(staleness)),
             "train/staleness_max": float(max(staleness)),
-            "train/zero_variance_groups": float(zero_var),
-            "train/skipped_zero_adv_samples": float(len(rows) - len(live_rows)),
-            "train/groups": float(len(groups)),
-            "train/samples": float(len(all_rows)),
-            "train/tokens": n_tokens,
-            "train/tokens_per_s": n_tokens / elapsed,
+            "train/zero_variance_groups": float(plan.zero_var),
+            "train/skipped_zero_adv_samples": float(len(plan.rows) - len(plan.live_rows)),
+            "train/groups": float(n_groups),
+            "train/samples": float(len(rows)),
+            "train/tokens": plan.n_tokens,
+            "train/tokens_per_s": plan.n_tokens / elapsed,
             "time/train_step_s": elapsed,
         }
         for s_, n in sorted(Counter(staleness).items()):
             metrics[f"train/staleness_hist/{s_}"] = float(n)
         if self.ref_model is not None:
-            metrics["loss/kl_ref"] = sums["loss/kl_ref"]
-            metrics["loss/kl_ref_mean"] = sums["loss/kl_ref_sum"] / live_tokens
-            metrics["loss/kl_ref_weight_mean"] = sums["loss/kl_ref_weight_sum"] / live_tokens if live_rows else 1.0
+            metrics["loss/kl_ref"] = sums.kl_ref
+            metrics.update(token_means(sums.kl_tokens, KL_METRICS, plan.live_tokens, any_live))
         return metrics
 
-    def _kl_to_reference(self, logprobs: torch.Tensor, batch: Batch, normalizer: float,
-                         sums: dict[str, float]) -> torch.Tensor:
-        """The KL term of one micro-batch (scalar, aggregated like the surrogate), adding its metrics to ``sums``.
+    def _kl_to_reference(self, logprobs: torch.Tensor, batch: Batch, normalizer: float) -> LossOutput:
+        """The KL term of one micro-batch: a scalar aggregated like the surrogate (β not applied), and the
+        sums ``loss/kl_ref_sum`` (the weighted estimate of KL(π_θ ‖ π_ref), nats) and ``loss/kl_ref_weight_sum``.
 
-        Its samples come from the behaviour policy, so every token is weighted by π_θ/π_behaviour (1
-        on-policy; ``losses/kl.py``); ``loss/kl_ref_sum`` is the weighted estimate of KL(π_θ ‖ π_ref).
+        ``logprobs``: ``[B, T]`` float, log π_θ (requires grad). Its samples come from the behaviour policy,
+        so every token is weighted by π_θ/π_behaviour (1 on-policy; ``losses/kl.py``).
         """
         with torch.no_grad():
             ref = completion_logprobs(self.ref_model, batch, self.cfg.autocast_bf16)
         mask = batch.loss_mask
         weight = kl_importance_weight(logprobs, batch.behaviour_logprobs, mask)
-        kl = aggregate(kl_term(logprobs, ref, self.cfg.kl_estimator, weight), mask, normalizer, self.loss_cfg.loss_agg)
-        sums["loss/kl_ref"] += float(kl.detach())
+        kl = aggregate(kl_term(logprobs, ref, self.cfg.kl_estimator, weight), mask, normalizer,
+                       self.loss.cfg.loss_agg)
         value = kl_value(logprobs.detach(), ref, self.cfg.kl_estimator)
-        sums["loss/kl_ref_sum"] += float((weight * value * mask).sum())
-        sums["loss/kl_ref_weight_sum"] += float((weight * mask).sum())
-        return kl
+        return LossOutput(kl, {"loss/kl_ref_sum": float((weight * value * mask).sum()),
+                               "loss/kl_ref_weight_sum": float((weight * mask).sum())})
 
     def _advantages(self, groups: list[Group]) -> tuple[list[ScoredTrajectory], torch.Tensor, int, list[bool]]:
-        """Rows, their advantages ``[N]`` float32, the count of zero-variance groups, and whether each row trains."""
+        """Rows, their advantages ``[N]`` float32 (computed per group in float64 after the truncation
+        penalty), the count of zero-variance groups, and whether each row trains (``truncation``)."""
         rows: list[ScoredTrajectory] = []
         advs: list[torch.Tensor] = []
         trains: list[bool] = []
@@ -296,7 +394,7 @@ class PolicyTrainer:
             cut = [s.trajectory.finish_reason == "length" for s in grow]
             rewards = [s.reward.total - (self.cfg.truncation_penalty if c and policy == "penalise" else 0.0)
                        for s, c in zip(grow, cut)]
-            a = group_advantages(torch.tensor([rewards], dtype=torch.float64), self.loss.estimator, self.cfg.adv_eps)[0]
+            a = self.loss.advantages(torch.tensor([rewards], dtype=torch.float64))[0]
             zero_var += int(bool((a == 0).all()))
             rows.extend(grow)
             advs.append(a)

@@ -16,7 +16,6 @@ from aiokafka import ConsumerRecord
 from opentelemetry import trace
 
 from shared import topics
-from verifier_service.config import VerifierSettings
 from shared.kafka import (
     commit_batch,
     decode_or_dead_letter,
@@ -27,7 +26,7 @@ from shared.kafka import (
 )
 from shared.schemas import Metrics, Reward, RewardEvent, ScoredTrajectory, Trajectory
 from shared.telemetry import extract_context
-from verifier_service.config import VerifierConfig
+from verifier_service.config import VerifierConfig, VerifierSettings
 from verifier_service.scorers import Scorer
 
 SERVICE = "verifier"

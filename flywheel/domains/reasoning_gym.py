@@ -11,8 +11,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from verifier_service.deterministic import LENIENT_SCORERS, SLOW_SCORERS, TUPLE_METADATA_SCORERS
 from flywheel.domains.common import ANSWER_TAG_SYSTEM, TRUNCATION_GATE, split_seed, task_body, with_recipe
+from verifier_service.deterministic import LENIENT_SCORERS, SLOW_SCORERS, TUPLE_METADATA_SCORERS
 
 RECIPE: dict[str, Any] | None = TRUNCATION_GATE
 """Recipe every task carries: an answer tag inside a response cut off at the token budget is not a

@@ -152,7 +152,7 @@ def test_an_sglang_engine_takes_broadcast_weights_in_the_server(tiny, tmp_path):
     from flywheel.broker import free_port, stop_pid
 
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "rollout_service.torch_sglang_server", str(tiny), "--port",
+    server = subprocess.Popen([sys.executable, "-m", "tests.support.torch_sglang_server", str(tiny), "--port",
                                str(port)], cwd=ROOT)
     try:
         report = tmp_path / "report.json"

@@ -5,25 +5,30 @@ import asyncio
 import pytest
 import torch
 
+from flywheel.broker import EmbeddedBroker
+from rollout_service.config import RolloutSettings
 from rollout_service.main import run
 from shared import kafka, topics
-from flywheel.broker import EmbeddedBroker
 from shared.checkpoint import CheckpointStore, snapshot_weights
-from flywheel.config import load_config
 from shared.model import build_tiny_model, load_model
 from shared.schemas import DeadLetter, RolloutRequest, SamplingParams, Task, Trajectory
+from tests.support.taught import teach_tiny_model
 
 TASK = Task(task_id="t", domain="toy", prompt=[{"role": "user", "content": "q"}],
             verifier={"kind": "regex", "pattern": "^a"})
+
+
+def _settings(broker: EmbeddedBroker, model_dir, tmp_path, **rollout) -> RolloutSettings:
+    """The rollout service's own settings: the tiny model, a run dir under ``tmp_path``, 2 partitions."""
+    return RolloutSettings(model={"name": str(model_dir)}, run={"dir": str(tmp_path / "run")},
+                           kafka={"bootstrap_servers": broker.bootstrap_servers, "partitions": 2}, rollout=rollout)
 
 
 @pytest.mark.kafka
 async def test_requests_become_trajectories_and_new_weights_are_used(tmp_path, read_topic):
     model_dir = build_tiny_model(tmp_path / "tiny")
     with EmbeddedBroker.start() as b:
-        cfg = load_config(model={"name": str(model_dir)}, run={"dir": str(tmp_path / "run")},
-                          kafka={"bootstrap_servers": b.bootstrap_servers, "partitions": 2},
-                          rollout={"max_batch_samples": 8})
+        cfg = _settings(b, model_dir, tmp_path, max_batch_samples=8)
         await kafka.ensure_topics(cfg.kafka)
         stop = asyncio.Event()
         service = asyncio.create_task(run(cfg, stop))
@@ -70,7 +75,7 @@ async def test_requests_become_trajectories_and_new_weights_are_used(tmp_path, r
 
 
 def test_weight_watcher_skips_versions_outside_the_store_and_keeps_the_newest_good(tmp_path):
-    from rollout_service.main import WeightWatcher
+    from rollout_service.weights import WeightWatcher
     from shared.schemas import WeightUpdate
 
     store = tmp_path / "ckpt"
@@ -86,3 +91,54 @@ def test_weight_watcher_skips_versions_outside_the_store_and_keeps_the_newest_go
     w.offer(upd(5, store / "v000005/model.safetensors"))
     w.bad.add(5)  # failed to load
     assert w.newest.version == 1
+
+
+@pytest.mark.kafka
+async def test_tool_groups_and_plain_groups_go_out_through_one_runner(tmp_path, read_topic, sandbox_url):
+    """A tool task (``test_feedback``) and a plain task through the service: the tool group runs the
+    execute-observe-revise loop in the sandbox (turns, masked observation, tool cost), the plain group
+    has none, and a later batch's tool group still reaches the sandbox (one runner for the whole run)."""
+    msgs = [{"role": "user", "content": "f"}]
+    wrong = "```python\ndef f(x):\n    return x\n```"
+    model_dir = tmp_path / "tiny"
+    _, model = teach_tiny_model(model_dir, msgs, wrong)  # answers with the wrong code: the environment tests it
+    model.save_pretrained(model_dir, safe_serialization=True)
+    tool_task = Task(task_id="r", domain="repair", prompt=msgs, tools=["test_feedback"], max_turns=2,
+                     verifier={"kind": "unit_tests", "entry_point": "f",
+                               "tests": [{"name": "double", "code": "assert f(2) == 4"}]})
+    greedy = SamplingParams(max_new_tokens=60, temperature=0.0)
+    with EmbeddedBroker.start() as b:
+        cfg = _settings(b, model_dir, tmp_path, sandbox_url=sandbox_url, max_trajectory_tokens=400)
+        await kafka.ensure_topics(cfg.kafka)
+        stop = asyncio.Event()
+        service = asyncio.create_task(run(cfg, stop))
+        p = kafka.make_producer(cfg.kafka)
+        await p.start()
+        try:
+            for gid, task in (("tools0", tool_task), ("plain0", TASK)):
+                await (await kafka.send(p, topics.ROLLOUT_REQUESTS,
+                                        RolloutRequest(group_id=gid, task=task, n=2, sampling=greedy), gid))
+            trajs = await read_topic(cfg.kafka, topics.TRAJECTORIES, Trajectory, 4, timeout_s=120)
+            await (await kafka.send(p, topics.ROLLOUT_REQUESTS,
+                                    RolloutRequest(group_id="tools1", task=tool_task, n=1, sampling=greedy), "tools1"))
+            trajs = await read_topic(cfg.kafka, topics.TRAJECTORIES, Trajectory, 5, timeout_s=120)
+            by_group = {g: sorted((t for t in trajs if t.group_id == g), key=lambda t: t.sample_index)
+                        for g in ("tools0", "plain0", "tools1")}
+            assert [len(v) for v in by_group.values()] == [2, 2, 1]
+            for t in by_group["tools0"] + by_group["tools1"]:
+                assert [x["role"] for x in t.turns] == ["assistant", "tool", "assistant"]
+                assert "double: failed" in t.turns[1]["text"] and t.turns[0]["text"] == wrong
+                obs = t.turns[1]
+                assert t.loss_mask[obs["start"]:obs["end"]] == [0] * (obs["end"] - obs["start"]) != []
+                assert t.cost["tool_rounds"] == 1.0 and t.cost["tool_seconds"] > 0
+                assert t.cost["generated_tokens"] == float(sum(t.loss_mask))
+                assert t.trajectory_id == f"{t.group_id}:1:{t.sample_index}" and t.policy_versions
+            for t in by_group["plain0"]:
+                assert t.turns == [] and t.loss_mask == [1] * len(t.completion_ids)
+                assert t.cost == {"generated_tokens": float(len(t.completion_ids)), "tool_rounds": 0.0,
+                                  "tool_seconds": 0.0}
+            assert service.done() is False
+        finally:
+            await p.stop()
+            stop.set()
+            await asyncio.wait_for(service, 30)

@@ -18,7 +18,7 @@ import torch
 from rollout_service.engine import GenerationRequest
 from rollout_service.sglang_engine import SGLangEngine
 from rollout_service.torch_engine import TorchEngine
-from rollout_service.torch_sglang_server import build_app
+from tests.support.torch_sglang_server import build_app
 from shared.model import build_tiny_model, encode_chat, load_model, load_tokenizer
 from shared.checkpoint import manifest, snapshot_weights
 from shared.schemas import SamplingParams, WeightUpdate

@@ -6,30 +6,16 @@ import torch
 
 from rollout_service.tool_loop import ToolRunner, run_tool_loop, tool_turn_ids
 from rollout_service.torch_engine import TorchEngine
-from shared.model import build_tiny_model, encode_chat, load_model, load_tokenizer
+from shared.model import encode_chat
 from shared.schemas import SamplingParams, Task
 from shared.tools import format_tool_call
+from tests.support.taught import teach_tiny_model
 
 
 def _taught_engine(tmp_path, prompt_msgs, target: str) -> TorchEngine:
     """A tiny random Llama taught (a few dozen supervised steps, under a second) to answer ``prompt_msgs``
     with ``target``: a real model whose greedy first turn is a tool call."""
-    torch.manual_seed(0)
-    d = build_tiny_model(tmp_path / "tiny", hidden=96, layers=2)
-    tok, model = load_tokenizer(d), load_model(d)
-    prompt = encode_chat(tok, prompt_msgs)
-    ids = torch.tensor([prompt + tok(target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]])
-    labels = ids.clone()
-    labels[0, :len(prompt)] = -100
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    model.train()
-    for _ in range(300):
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if loss.item() < 0.01:
-            break
+    tok, model = teach_tiny_model(tmp_path / "tiny", prompt_msgs, target)
     model.eval()
     return TorchEngine(model, tok, seed=0)
 

@@ -8,11 +8,11 @@ import httpx
 import pytest
 
 from flywheel.config import FlywheelConfig
-from shared.config import BudgetConfig, KafkaConfig, RunConfig
 from scheduler_service.api import create_app
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.registry import Registry
 from scheduler_service.state import SchedulerState
+from shared.config import BudgetConfig, KafkaConfig, RunConfig
 
 
 @pytest.fixture

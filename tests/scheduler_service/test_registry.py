@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from shared.config import RunConfig
-from shared.schemas import RewardEvent, Task
 from scheduler_service.registry import Registry, TaskConflictError, sqlite_path
 from scheduler_service.sampler import training_budget
+from shared.config import RunConfig
+from shared.schemas import RewardEvent, Task
 
 
 def _task(tid: str, split: str = "train", k: int = 2) -> Task:
@@ -132,18 +132,17 @@ def test_learnable_tasks_are_partly_solved_and_not_in_flight(reg):
 
 
 def test_learnability_curriculum_replays_at_most_its_share_of_partly_solved_tasks(reg):
-    from types import SimpleNamespace
-
-    from flywheel.config import load_config
+    from scheduler_service.config import SchedulerSettings
     from scheduler_service.sampler import Sampler
+    from scheduler_service.stats import Stats
 
-    cfg = load_config(scheduler={"curriculum": "learnability", "replay_fraction": 0.5})
+    cfg = SchedulerSettings(scheduler={"curriculum": "learnability", "replay_fraction": 0.5})
     reg.register_tasks([_task(f"t{i}") for i in range(6)])
     for i in range(6):
         (g,) = reg.issue_train_groups([f"t{i}"], deadline_s=60)
         for j, passed in enumerate([i < 3, False]):  # t0-t2 half solved, t3-t5 unsolved
             reg.record_reward(_ev(g.group_id, j, passed=passed))
-    sampler = Sampler(SimpleNamespace(config=cfg, registry=reg))
+    sampler = Sampler(cfg, reg, producer=None, stats=Stats(60.0, 16))
     picks = sampler._learnable(4)
     assert len(picks) == 2 and set(picks) <= {"t0", "t1", "t2"} and len(set(picks)) == 2
     assert len(sampler._learnable(6)) == 3  # never more than there are

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from trainer_service.losses.advantages import group_advantages
-from trainer_service.losses.grpo import GRPOLossConfig, grpo_loss
+from trainer_service.losses.config import GRPOLossConfig
+from trainer_service.losses.grpo import grpo_loss
 
 
 def test_advantages_hand_computed():
@@ -21,7 +22,7 @@ def test_constant_group_gets_exact_zero_and_near_constant_is_bounded():
 
 
 def test_grpo_loss_matches_hand_computed_example():
-    cfg = GRPOLossConfig(clip_eps=0.2)
+    cfg = GRPOLossConfig(clip_eps=0.2, loss_agg="token_mean")
     # two trajectories, two tokens each; second token of row 1 masked
     lp = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], requires_grad=True)
     old = torch.tensor([[-1.0, -2.5], [-0.2, -1.0]])
@@ -39,7 +40,7 @@ def test_grpo_loss_matches_hand_computed_example():
 
 
 def test_masked_tokens_change_neither_loss_nor_gradient():
-    cfg = GRPOLossConfig()
+    cfg = GRPOLossConfig(loss_agg="token_mean")
     mask = torch.tensor([[1.0, 0.0, 1.0]])
     adv = torch.tensor([0.7])
     old = torch.tensor([[-1.0, -1.0, -1.0]])

@@ -12,7 +12,8 @@ from trainer_service.config import TrainerConfig
 from trainer_service.groups import GroupBuffer
 from trainer_service.losses import resolve_loss
 from trainer_service.losses.advantages import group_advantages
-from trainer_service.losses.grpo import GRPOLossConfig, batch_normalizer, grpo_loss
+from trainer_service.losses.config import GRPOLossConfig, GSPOLossConfig
+from trainer_service.losses.grpo import batch_normalizer, grpo_loss
 from trainer_service.losses.gspo import gspo_loss
 from trainer_service.losses.kl import kl_importance_weight, kl_term, kl_value
 from trainer_service.main import build_trainer
@@ -65,7 +66,7 @@ def test_each_preset_means_what_trl_and_verl_mean_by_its_name():
         "grpo": ("grpo", "seq_mean_token_mean", 0.2, 0.2), "bnpo": ("grpo", "token_mean", 0.2, 0.2),
         "dr_grpo": ("dr_grpo", "seq_mean_token_sum", 0.2, 0.2), "dapo": ("grpo", "token_mean", 0.2, 0.28),
         "rloo": ("rloo", "token_mean", 0.2, 0.2), "gspo": ("grpo", "seq_mean_token_mean", 3e-4, 4e-4)}
-    assert resolve_loss(TrainerConfig(loss="grpo", loss_agg="token_mean")).cfg.loss_agg == "token_mean"
+    assert resolve_loss(TrainerConfig(loss={"kind": "grpo", "loss_agg": "token_mean"})).cfg.loss_agg == "token_mean"
 
 
 # ---------------------------------------------------------------- surrogates, hand-computed
@@ -80,7 +81,8 @@ def test_dapo_clip_higher_lets_a_positive_advantage_grow_past_1_plus_eps_low():
     # ratio 1.25, A = +1: symmetric clip (0.2) caps the objective at 1.2 (no gradient); clip-higher (0.28) does not
     for hi, loss_value, grad in ((None, -1.2, 0.0), (0.28, -1.25, -1.25)):
         lp, blp, adv, mask = _one_token(math.log(1.25), 1.0)
-        loss, m = grpo_loss(lp, blp, adv, mask, 1.0, GRPOLossConfig(clip_eps=0.2, clip_eps_high=hi))
+        cfg = GRPOLossConfig(clip_eps=0.2, clip_eps_high=hi, loss_agg="token_mean")
+        loss, m = grpo_loss(lp, blp, adv, mask, 1.0, cfg)
         loss.backward()
         assert loss.item() == pytest.approx(loss_value)
         assert lp.grad.item() == pytest.approx(grad)
@@ -122,7 +124,7 @@ def test_gspo_clips_the_sequence_ratio_as_a_whole():
 def test_off_policy_corrections_truncate_the_importance_weight(mode):
     # π/π_behaviour = 3, cap 2, A = +1: weight 2, gradient −2 per token (decoupled: ratio to π_prox is 1)
     lp, blp, adv, mask = _one_token(math.log(3.0), 1.0)
-    loss, m = grpo_loss(lp, blp, adv, mask, 1.0, GRPOLossConfig(off_policy=mode, is_cap=2.0))
+    loss, m = grpo_loss(lp, blp, adv, mask, 1.0, GRPOLossConfig(off_policy=mode, is_cap=2.0, loss_agg="token_mean"))
     loss.backward()
     assert lp.grad.item() == pytest.approx(-2.0)
     assert m["loss/is_weight_sum"] == pytest.approx(2.0) and m["loss/is_truncated_sum"] == 1.0
@@ -130,8 +132,9 @@ def test_off_policy_corrections_truncate_the_importance_weight(mode):
         assert loss.item() == pytest.approx(-2.0)
 
 
-@pytest.mark.parametrize("surrogate,cfg", [(grpo_loss, GRPOLossConfig()), (gspo_loss, GRPOLossConfig()),
-                                           (grpo_loss, GRPOLossConfig(off_policy="decoupled")),
+@pytest.mark.parametrize("surrogate,cfg", [(grpo_loss, GRPOLossConfig(loss_agg="token_mean")),
+                                           (gspo_loss, GSPOLossConfig(clip_eps=0.2, clip_eps_high=None)),
+                                           (grpo_loss, GRPOLossConfig(off_policy="decoupled", loss_agg="token_mean")),
                                            (grpo_loss, GRPOLossConfig(loss_agg="seq_mean_token_mean"))])
 def test_masked_middle_tokens_change_neither_loss_nor_gradient(surrogate, cfg):
     mask = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
@@ -268,7 +271,7 @@ def _grads(tiny, micro, **cfg):
 
 
 @pytest.mark.parametrize("cfg", [{"loss": name} for name in LOSSES] + [
-    {"loss": "grpo", "off_policy": "decoupled"}, {"loss": "grpo", "off_policy": "tis"},
+    {"loss": {"kind": "grpo", "off_policy": "decoupled"}}, {"loss": {"kind": "grpo", "off_policy": "tis"}},
     {"loss": "grpo", "kl_coef": 0.1, "kl_estimator": "k3"}, {"loss": "dr_grpo", "kl_coef": 0.1, "kl_estimator": "k1"}])
 def test_every_loss_is_independent_of_the_micro_batch_split(tiny, cfg):
     (g8, m), (g4, _), (g2, _), (g1, _) = (_grads(tiny, mb, **cfg) for mb in (8, 4, 2, 1))

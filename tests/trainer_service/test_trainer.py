@@ -81,7 +81,7 @@ def tiny(tmp_path_factory):
 def _grads(tiny, micro, groups, agg="token_mean"):
     torch.manual_seed(0)
     model = load_model(tiny).double()
-    cfg = TrainerConfig(micro_batch_size=micro, max_grad_norm=1e9, lr=1e-3, loss_agg=agg)
+    cfg = TrainerConfig(micro_batch_size=micro, max_grad_norm=1e9, lr=1e-3, loss={"kind": "grpo", "loss_agg": agg})
     tr = PolicyTrainer(model, cfg, pad_id=0)
     tr.optimizer.step = lambda: None  # keep weights; inspect gradients
     tr.train_step(groups)
@@ -153,7 +153,8 @@ def test_shared_prompt_logprobs_and_gradients_equal_separate_forwards(tiny):
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
 def test_skipping_zero_advantage_rows_gives_the_full_batch_gradient(tiny, agg):
     """Rows of a zero-variance group skip the forward pass; the gradient equals the loss over every row."""
-    from trainer_service.losses.grpo import GRPOLossConfig, batch_normalizer, grpo_loss
+    from trainer_service.losses.config import GRPOLossConfig
+    from trainer_service.losses.grpo import batch_normalizer, grpo_loss
 
     buf = GroupBuffer(1)
     fill(buf, "mixed", [1, 0, 0, 1], comp=(10, 11, 12, 13))

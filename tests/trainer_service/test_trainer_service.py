@@ -4,9 +4,9 @@ import asyncio
 
 import pytest
 
-from shared import kafka, topics
 from flywheel.broker import EmbeddedBroker
 from flywheel.config import load_config
+from shared import kafka, topics
 from shared.model import build_tiny_model
 from shared.schemas import Metrics, Reward, ScoredTrajectory, Task, Trajectory, WeightUpdate
 from trainer_service.main import run

@@ -108,8 +108,8 @@ def _grad(model) -> torch.Tensor:
 
 def _flywheel(model, groups, preset: str, beta: float, weight_kl: bool = True):
     """Flywheel's gradient of the batch, its advantages ``[8]`` (rows in group order) and the reference model."""
-    cfg = TrainerConfig(loss=preset, kl_coef=beta, kl_estimator="k3", max_grad_norm=1e9, micro_batch_size=64,
-                        max_response_tokens=L_MAX)
+    loss = {"kind": preset} if preset == "gspo" else {"kind": preset, "max_response_tokens": L_MAX}  # GSPO: no L_max
+    cfg = TrainerConfig(loss=loss, kl_coef=beta, kl_estimator="k3", max_grad_norm=1e9, micro_batch_size=64)
     tr = PolicyTrainer(model, cfg, pad_id=0)
     ref = copy.deepcopy(model)
     with torch.no_grad():

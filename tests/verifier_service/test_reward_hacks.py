@@ -10,13 +10,12 @@ import pytest
 from flywheel.domains import get
 from flywheel.domains import reasoning_gym as rg_domain
 from shared.schemas import TaskBody
+from tests.verifier_service.scripted_judge import ScriptedJudgeServer, fence_reading_judge, obeying_judge
 from verifier_service import hacks
 from verifier_service import judge as judge_mod
 from verifier_service.config import VerifierConfig
 from verifier_service.judge import JudgeConfig
 from verifier_service.scorers import Scorer
-
-from tests.verifier_service.scripted_judge import ScriptedJudgeServer, fence_reading_judge, obeying_judge
 
 
 def _spec(verifier: dict):

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from shared import topics
 from flywheel.config import FlywheelConfig
+from shared import topics
 from shared.kafka import ensure_topics, make_producer, send
 from shared.schemas import DeadLetter, Metrics, RewardEvent, ScoredTrajectory, Task, Trajectory
 from verifier_service.main import run

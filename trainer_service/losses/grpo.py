@@ -1,5 +1,6 @@
-"""The token-level clipped surrogate shared by GRPO, Dr. GRPO, DAPO and RLOO (they differ in the
-advantage estimator, ``losses/advantages.py``, in the clip range and in the aggregation).
+"""The token-level clipped surrogate shared by GRPO, BNPO, Dr. GRPO, DAPO and RLOO (they differ in the
+advantage estimator, ``losses/advantages.py``, in the clip range and in the aggregation; each family's
+settings and defaults: ``losses/config.py``).
 
 Formula (Shao et al. 2024, "DeepSeekMath", eq. 3; PPO, Schulman et al. 2017, eq. 7):
 
@@ -30,42 +31,34 @@ Off-policy correction for asynchronous samples (``off_policy``):
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
-OffPolicy = Literal["ppo_clip", "decoupled", "tis"]
+from trainer_service.losses.config import Aggregation, GSPOLossConfig, TokenLossConfig
+from trainer_service.losses.output import LossOutput, TokenMean
 
-
-class GRPOLossConfig(BaseModel):
-    """Settings of the token-level surrogate."""
-
-    model_config = ConfigDict(extra="forbid")
-    clip_eps: float = Field(0.2, gt=0)
-    """ε_low: the ratio is clipped below at 1 − ε_low."""
-    clip_eps_high: float | None = Field(None, gt=0)
-    """ε_high (DAPO clip-higher); ``None`` = ε_low (symmetric PPO clip)."""
-    adv_eps: float = Field(1e-4, gt=0)
-    """ε_std added to the group std by the ``grpo`` advantage estimator."""
-    loss_agg: Aggregation = "token_mean"
-    """See the module docstring."""
-    max_response_tokens: int = Field(1024, ge=1)
-    """L_max of the ``seq_mean_token_sum`` aggregation (the generation budget)."""
-    off_policy: OffPolicy = "ppo_clip"
-    """See the module docstring."""
-    is_cap: float = Field(2.0, ge=1.0)
-    """C, the cap of the truncated importance weight (``decoupled`` and ``tis``)."""
-
-    @property
-    def eps_high(self) -> float:
-        """ε_high in effect (``clip_eps_high``, else ε_low)."""
-        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+METRICS: dict[str, TokenMean] = {
+    "loss/clip_frac_sum": TokenMean("loss/clip_frac"),
+    "loss/kl_behaviour_sum": TokenMean("loss/kl_behaviour"),
+    "loss/ratio_sum": TokenMean("loss/ratio_mean", empty=1.0),
+    "loss/is_weight_sum": TokenMean("loss/is_weight_mean", empty=1.0),
+    "loss/is_truncated_sum": TokenMean("loss/is_truncated_frac"),
+}
+"""The statistics :func:`grpo_loss` (and ``gspo_loss``) sum, and the per-token means the trainer reports:
+the fraction of clipped tokens, the k1 estimate of KL(π_behaviour ‖ π_θ) (nats per token), the mean ratio
+π_θ/π_behaviour, the mean truncated importance weight and the fraction of tokens whose ratio exceeds the cap."""
 
 
-def batch_normalizer(loss_masks: list[list[int]], cfg: GRPOLossConfig) -> float:
-    """The loss denominator of a whole optimizer batch: unmasked tokens, sequences, or sequences × L_max (≥ 1)."""
+def batch_normalizer(loss_masks: list[list[int]], cfg: TokenLossConfig | GSPOLossConfig) -> float:
+    """The loss denominator of a whole optimizer batch, as ``cfg.loss_agg`` prescribes (a float ≥ 1).
+
+    Args:
+        loss_masks: one 0/1 list per training row of the batch (rows skipped for a zero advantage included).
+        cfg: its ``loss_agg`` (and ``max_response_tokens`` for ``seq_mean_token_sum``).
+
+    Returns:
+        ``token_mean``: the unmasked tokens; ``seq_mean_token_mean``: the sequences;
+        ``seq_mean_token_sum``: sequences × L_max.
+    """
     if cfg.loss_agg == "token_mean":
         return max(1.0, float(sum(sum(m) for m in loss_masks)))
     if cfg.loss_agg == "seq_mean_token_sum":
@@ -74,7 +67,9 @@ def batch_normalizer(loss_masks: list[list[int]], cfg: GRPOLossConfig) -> float:
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, normalizer: float, agg: Aggregation) -> torch.Tensor:
-    """Sum ``per_token`` ``[B, T]`` over unmasked tokens as ``agg`` prescribes, divided by ``normalizer``."""
+    """Sum ``per_token`` ``[B, T]`` float over the tokens of ``mask`` ``[B, T]`` float (0/1) as ``agg``
+    prescribes (each sequence's mean first for ``seq_mean_token_mean``), divided by ``normalizer``: a
+    scalar of ``per_token``'s dtype."""
     if agg == "seq_mean_token_mean":
         return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1.0)).sum() / normalizer
     return (per_token * mask).sum() / normalizer
@@ -86,8 +81,8 @@ def grpo_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     normalizer: float,
-    cfg: GRPOLossConfig,
-) -> tuple[torch.Tensor, dict[str, float]]:
+    cfg: TokenLossConfig,
+) -> LossOutput:
     """Clipped policy-gradient loss of one micro-batch.
 
     Args:
@@ -97,13 +92,14 @@ def grpo_loss(
         mask: ``[B, T]`` float/bool, 1 on tokens that train (0 on padding, prompt and tool output:
             those tokens enter neither the loss nor any ratio statistic).
         normalizer: :func:`batch_normalizer` of the whole optimizer batch (> 0).
-        cfg: clip, aggregation and off-policy settings.
+        cfg: clip, aggregation and off-policy settings (any token-level family's config).
 
     Returns:
-        ``(loss, metrics)``: a scalar tensor (this micro-batch's share of the batch loss) and sums
-        over the micro-batch's unmasked tokens, to be added across micro-batches and divided by the
-        batch's token count: ``loss/clip_frac_sum``, ``loss/kl_behaviour_sum`` (k1: log π_b − log π_θ),
-        ``loss/ratio_sum``, ``loss/is_weight_sum``, ``loss/is_truncated_sum``.
+        :class:`LossOutput`: a scalar tensor of ``logprobs``' dtype (this micro-batch's share of the
+        batch loss) and sums over the micro-batch's unmasked tokens, to be added across micro-batches
+        and divided by the batch's token count (:data:`METRICS`): ``loss/clip_frac_sum``,
+        ``loss/kl_behaviour_sum`` (k1: log π_b − log π_θ), ``loss/ratio_sum``, ``loss/is_weight_sum``,
+        ``loss/is_truncated_sum``.
     """
     mask = mask.to(logprobs.dtype)
     log_ratio = (logprobs - behaviour_logprobs) * mask  # masked tokens: ratio exactly 1, never clipped
@@ -135,4 +131,4 @@ def grpo_loss(
             "loss/is_weight_sum": float((is_weight * mask).sum()),
             "loss/is_truncated_sum": float(((behaviour_ratio > cfg.is_cap).to(mask.dtype) * mask).sum()),
         }
-    return loss, metrics
+    return LossOutput(loss, metrics)

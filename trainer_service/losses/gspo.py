@@ -7,14 +7,20 @@ Policy Optimization", eq. 5-7).
 
 The gradient of s_i is s_i/|o_i| · Σ_t ∇log π_θ(y_it): every token of a sequence gets the same weight,
 and a sequence is clipped as a whole. The paper's ranges are tiny (ε_low = 3e-4, ε_high = 4e-4)
-because the ratio is a geometric mean. Advantages are GRPO's (group mean and std).
+because the ratio is a geometric mean. Advantages are GRPO's (group mean and std). Settings and
+defaults: ``GSPOLossConfig`` in ``losses/config.py``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from trainer_service.losses.grpo import GRPOLossConfig
+from trainer_service.losses.config import GSPOLossConfig
+from trainer_service.losses.grpo import METRICS as _TOKEN_METRICS
+from trainer_service.losses.output import LossOutput, TokenMean
+
+METRICS: dict[str, TokenMean] = _TOKEN_METRICS
+"""The statistics :func:`gspo_loss` sums: the same as ``grpo_loss`` (``losses/grpo.py``)."""
 
 
 def gspo_loss(
@@ -23,8 +29,8 @@ def gspo_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     normalizer: float,
-    cfg: GRPOLossConfig,
-) -> tuple[torch.Tensor, dict[str, float]]:
+    cfg: GSPOLossConfig,
+) -> LossOutput:
     """Sequence-level clipped loss of one micro-batch.
 
     Args:
@@ -37,8 +43,9 @@ def gspo_loss(
         cfg: ``clip_eps`` / ``clip_eps_high`` are ε_low / ε_high of the sequence ratio.
 
     Returns:
-        ``(loss, metrics)`` with the same metric names as ``grpo_loss`` (token sums, where a clipped
-        sequence counts all its tokens as clipped).
+        :class:`LossOutput`: a scalar tensor of ``logprobs``' dtype and the same token sums as
+        ``grpo_loss`` (:data:`METRICS`; a clipped sequence counts all its tokens as clipped, the
+        importance weight is the untruncated token ratio, and no token counts as truncated).
     """
     mask = mask.to(logprobs.dtype)
     log_ratio = (logprobs - behaviour_logprobs) * mask
@@ -58,4 +65,4 @@ def gspo_loss(
             "loss/is_weight_sum": float((token_ratio * mask).sum()),
             "loss/is_truncated_sum": 0.0,
         }
-    return loss, metrics
+    return LossOutput(loss, metrics)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from flywheel.config import load_config
-from shared.schemas import Task
 from flywheel.tasks import TaskSourceConfig, make_tasks
+from shared.schemas import Task
 from verifier_service.config import VerifierConfig
 from verifier_service.scorers import Scorer
 

@@ -1,0 +1,158 @@
+"""Trajectory emission of the rollout service: one path for plain and multi-turn (tool) samples.
+
+A generated sample (:class:`rollout_service.engine.Sample`) or a tool-loop trajectory
+(:class:`rollout_service.tool_loop.Rollout`) becomes a :class:`Completion`; the completions of one
+request form a :class:`Group`; :func:`publish` turns groups into :class:`shared.schemas.Trajectory`
+records on flywheel.trajectories (key ``group_id``, one ``rollout`` trace span per group, parented on
+the request's trace context), waits for every ack, and counts them in :class:`RolloutStats`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+from opentelemetry import trace
+
+from rollout_service.batching import Headers
+from rollout_service.engine import Sample
+from rollout_service.tool_loop import Rollout
+from shared import kafka, topics
+from shared.schemas import RolloutRequest, Trajectory, VersionSpan
+from shared.telemetry import extract_context
+
+
+@dataclass
+class Completion:
+    """One sample's completion, after the prompt: ``ids[i]`` with behaviour log-prob ``logprobs[i]``
+    (natural log; 0 on tool output) and ``mask[i]`` (1 generated, 0 tool output); ``versions`` are the
+    policy-version spans over ``ids``; ``turns`` the per-turn records of a multi-turn trajectory
+    (empty for a plain sample). ``tool_seconds`` is wall time in the sandbox."""
+
+    ids: list[int]
+    logprobs: list[float]
+    mask: list[int]
+    finish_reason: str
+    versions: list[VersionSpan]
+    generated_tokens: int
+    error: str | None = None
+    turns: list[dict[str, Any]] = field(default_factory=list)
+    tool_rounds: int = 0
+    tool_seconds: float = 0.0
+
+    @classmethod
+    def from_sample(cls, s: Sample) -> Completion:
+        """A plain (single-turn) sample: every token generated and trained."""
+        return cls(s.completion_ids, s.logprobs, [1] * len(s.completion_ids), s.finish_reason, s.versions,
+                   len(s.completion_ids), error=s.error)
+
+    @classmethod
+    def from_rollout(cls, ro: Rollout, policy_version: int) -> Completion:
+        """A tool-loop trajectory; without version spans (nothing generated) it is tagged with an empty
+        span of ``policy_version``."""
+        return cls(ro.ids, ro.logprobs, ro.mask, ro.finish_reason,
+                   ro.versions or [VersionSpan(version=policy_version, start=0, end=0)], ro.generated_tokens,
+                   turns=ro.turns, tool_rounds=ro.tool_rounds, tool_seconds=ro.tool_seconds)
+
+    @property
+    def cost(self) -> dict[str, float]:
+        """``Trajectory.cost``: generated tokens, tool rounds and tool seconds."""
+        return {"generated_tokens": float(self.generated_tokens), "tool_rounds": float(self.tool_rounds),
+                "tool_seconds": self.tool_seconds}
+
+
+@dataclass
+class Group:
+    """The completions of one request, sample ``i`` of the group being ``completions[i]``.
+
+    ``headers`` are the request record's (trace context); ``timings`` the seconds of ``queue`` (request
+    issued → picked up) and ``generate``.
+    """
+
+    request: RolloutRequest
+    headers: Headers | None
+    prompt_ids: list[int]
+    completions: list[Completion]
+    timings: dict[str, float]
+
+
+@dataclass
+class RolloutStats:
+    """Running totals of one service run (sample counts, tokens, seconds), sent as ``rollout/*`` metrics."""
+
+    samples: float = 0.0
+    tokens: float = 0.0
+    """Generated tokens (tool output excluded)."""
+    generate_s: float = 0.0
+    """Seconds spent generating (a tool group's include its tool calls and its acks)."""
+    tool_rounds: float = 0.0
+    tool_seconds: float = 0.0
+    publish_to_first_token_s: float | None = None
+    """Seconds from the announcement of the newest version to the first batch generated with it."""
+
+    def add(self, c: Completion) -> None:
+        """Count one published completion."""
+        self.samples += 1
+        self.tokens += c.generated_tokens
+        self.tool_rounds += c.tool_rounds
+        self.tool_seconds += c.tool_seconds
+
+    def metrics(self, policy_version: int) -> dict[str, float]:
+        """The ``rollout/*`` metric values: totals, throughput (generated tokens per generation second),
+        the engine's ``policy_version`` and the running cost per sample (call once ``samples > 0``)."""
+        n = max(self.samples, 1.0)
+        vals = {"rollout/samples": self.samples, "rollout/tokens": self.tokens, "rollout/generate_s": self.generate_s,
+                "rollout/tool_rounds": self.tool_rounds, "rollout/tool_seconds": self.tool_seconds}
+        if self.publish_to_first_token_s is not None:
+            vals["rollout/publish_to_first_token_s"] = self.publish_to_first_token_s
+        return dict(vals, **{"rollout/tokens_per_s": self.tokens / max(self.generate_s, 1e-9),
+                             "rollout/policy_version": float(policy_version),
+                             # running cost per sample: the inference line of a training budget
+                             "rollout/tokens_per_sample": self.tokens / n,
+                             "rollout/tool_rounds_per_sample": self.tool_rounds / n,
+                             "rollout/tool_seconds_per_sample": self.tool_seconds / n})
+
+
+def make_trajectory(group: Group, i: int, tokenizer) -> Trajectory:
+    """Sample ``i`` of ``group`` as a Trajectory (id ``<group_id>:<attempt>:<i>``; the text is the
+    completion decoded without special tokens).
+
+    Raises:
+        pydantic.ValidationError: ids, log-probs and mask differ in length.
+    """
+    req, c = group.request, group.completions[i]
+    return Trajectory(
+        trajectory_id=f"{req.group_id}:{req.attempt}:{i}", group_id=req.group_id, sample_index=i,
+        group_size=req.n, task=req.task, purpose=req.purpose, attempt=req.attempt, eval_round=req.eval_round,
+        prompt_ids=group.prompt_ids, completion_ids=c.ids, completion_logprobs=c.logprobs, loss_mask=c.mask,
+        completion_text=tokenizer.decode(c.ids, skip_special_tokens=True), finish_reason=c.finish_reason,
+        error=c.error, policy_versions=c.versions, temperature=req.sampling.temperature, timings=group.timings,
+        turns=c.turns, cost=c.cost,
+    )
+
+
+async def publish(producer: AIOKafkaProducer, tokenizer, groups: list[Group], policy_version: int,
+                  stats: RolloutStats) -> None:
+    """Send one Trajectory per completion of every group to flywheel.trajectories, then wait for all
+    the acks (the caller commits the requests after this returns).
+
+    Each group's records are sent inside a ``rollout`` span (attributes ``group_id``, ``n`` and
+    ``policy_version``, the engine's version now) parented on its request's trace context.
+
+    Raises:
+        aiokafka.errors.KafkaError: a record was not acknowledged (nothing is committed then).
+    """
+    futures = []
+    tracer = trace.get_tracer("rollout")
+    for g in groups:
+        r = g.request
+        with tracer.start_as_current_span("rollout", context=extract_context(g.headers),
+                                          attributes={"group_id": r.group_id, "n": r.n,
+                                                      "policy_version": policy_version}):
+            for i, c in enumerate(g.completions):
+                futures.append(await kafka.send(producer, topics.TRAJECTORIES, make_trajectory(g, i, tokenizer),
+                                                r.group_id))
+                stats.add(c)
+    await asyncio.gather(*futures)

@@ -1,0 +1,114 @@
+"""Generation of one batch of rollout requests, plain and multi-turn, published through one emit path.
+
+A request whose task names ``tools`` and allows ``max_turns > 1`` runs the tool loop
+(rollout_service/tool_loop.py), one concurrent loop per request, so one group's tool calls overlap
+another's generation; the other requests are generated together in one engine call. Both end in
+:func:`rollout_service.emit.publish`. A plain prompt that cannot fit the engine's context (prompt +
+``max_new_tokens`` > ``engine.max_context``) is refused, not generated: its samples are ``error``
+samples, which the verifier flags and the trainer never trains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+
+from rollout_service.batching import Batch, Headers
+from rollout_service.emit import Completion, Group, RolloutStats, publish
+from rollout_service.engine import Engine, GenerationRequest, Sample
+from rollout_service.tool_loop import ToolRunner, run_tool_loop
+from shared.model import encode_chat
+from shared.schemas import RolloutRequest, VersionSpan
+
+log = logging.getLogger("rollout")
+
+
+def prompt_messages(req: RolloutRequest, system_prompt: str | None) -> list[dict[str, str]]:
+    """The chat messages of ``req``'s prompt, with ``system_prompt`` first unless the task has its own."""
+    msgs = [m.model_dump() for m in req.task.prompt]
+    if system_prompt and msgs[0]["role"] != "system":
+        msgs.insert(0, {"role": "system", "content": system_prompt})
+    return msgs
+
+
+def uses_tools(r: RolloutRequest) -> bool:
+    """Whether ``r`` runs the multi-turn tool loop: its task names tools and allows more than one turn."""
+    return bool(r.task.tools) and r.task.max_turns > 1
+
+
+@dataclass
+class BatchGenerator:
+    """What a batch needs, built once per service run: the engine and its tokenizer, the producer the
+    trajectories go to, the one :class:`ToolRunner` (closed by the service at shutdown), the running
+    stats, the ``model.system_prompt`` and the tool loop's ``rollout.max_trajectory_tokens`` budget."""
+
+    engine: Engine
+    tokenizer: Any
+    producer: AIOKafkaProducer
+    tools: ToolRunner
+    stats: RolloutStats
+    system_prompt: str | None = None
+    max_trajectory_tokens: int = 1024
+
+    def encode(self, r: RolloutRequest) -> list[int]:
+        """The prompt ids of ``r`` (chat template + generation prompt)."""
+        return encode_chat(self.tokenizer, prompt_messages(r, self.system_prompt))
+
+    async def run(self, batch: Batch) -> None:
+        """Generate every request of ``batch`` and publish its trajectories (acks awaited): the tool
+        groups first, then the plain ones."""
+        pairs = list(zip(batch.requests, batch.headers))
+        tool_groups = [(r, h) for r, h in pairs if uses_tools(r)]
+        plain = [(r, h) for r, h in pairs if not uses_tools(r)]
+        if tool_groups:
+            await asyncio.gather(*(self._tool_group(r, h) for r, h in tool_groups))
+        if plain:
+            await self._plain([r for r, _ in plain], [h for _, h in plain])
+
+    async def _plain(self, reqs: list[RolloutRequest], headers: list[Headers]) -> None:
+        """One engine call for every request whose prompt fits the context; error samples for the others."""
+        engine = self.engine
+        picked = time.time()
+        prompts = [self.encode(r) for r in reqs]
+        fits = [engine.max_context is None or len(p) + r.sampling.max_new_tokens <= engine.max_context
+                for p, r in zip(prompts, reqs)]
+        gens = [GenerationRequest(p, r.n, r.sampling) for p, r, ok in zip(prompts, reqs, fits) if ok]
+        t0 = time.perf_counter()
+        generated = iter(await asyncio.to_thread(engine.generate, gens) if gens else [])
+        gen_s = time.perf_counter() - t0
+        groups = []
+        for r, h, p, ok in zip(reqs, headers, prompts, fits):
+            samples = next(generated) if ok else self._refused(r, len(p))
+            groups.append(Group(r, h, p, [Completion.from_sample(s) for s in samples],
+                                {"queue": max(0.0, picked - r.issued_at), "generate": gen_s}))
+        await publish(self.producer, self.tokenizer, groups, engine.policy_version, self.stats)
+        self.stats.generate_s += gen_s
+        log.info("generated %d requests (%d samples) at policy version %d in %.2f s", len(reqs),
+                 sum(r.n for r in reqs), engine.policy_version, gen_s)
+
+    def _refused(self, r: RolloutRequest, prompt_tokens: int) -> list[Sample]:
+        """``r.n`` empty ``error`` samples for a prompt of ``prompt_tokens`` that cannot fit the context."""
+        msg = (f"prompt of {prompt_tokens} tokens + {r.sampling.max_new_tokens} new exceeds the context "
+               f"({self.engine.max_context})")
+        log.warning("group %s: %s", r.group_id, msg)
+        return [Sample([], [], "error", [VersionSpan(version=self.engine.policy_version, start=0, end=0)], msg)
+                for _ in range(r.n)]
+
+    async def _tool_group(self, r: RolloutRequest, headers: Headers) -> None:
+        """The multi-turn loop for one request (``r.n`` trajectories), then its trajectories."""
+        picked, t0 = time.time(), time.perf_counter()
+        prompt = self.encode(r)
+        rollouts = await run_tool_loop(self.engine, self.tokenizer, self.tools, r.task, prompt, r.n, r.sampling,
+                                       self.max_trajectory_tokens)
+        timings = {"queue": max(0.0, picked - r.issued_at), "generate": time.perf_counter() - t0}
+        version = self.engine.policy_version
+        group = Group(r, headers, prompt, [Completion.from_rollout(ro, version) for ro in rollouts], timings)
+        await publish(self.producer, self.tokenizer, [group], version, self.stats)
+        self.stats.generate_s += time.perf_counter() - t0
+        log.info("group %s: %d samples, %d tool rounds, %d tokens generated", r.group_id, r.n,
+                 sum(ro.tool_rounds for ro in rollouts), sum(ro.generated_tokens for ro in rollouts))
