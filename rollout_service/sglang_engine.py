@@ -15,7 +15,7 @@
   crashes flushing with requests held); ``abort`` ends them with their partial output, and this engine
   resubmits prompt + partial output for the remaining tokens (AReaL's and slime's partial rollouts).
   Either way each span of output is tagged with its version.
-* Weights by broadcast (trainer ``weight_transport: distributed``; ``shared/weight_sync.py``): the
+* Weights by broadcast (``weights.transport: distributed``; ``shared/weight_sync.py``): the
   server itself joins each version's session. ``/pause_generation {mode}`` →
   ``/begin_weight_update`` (0.5.21+; skipped when the server answers 404, as ≤ 0.5.19 do) →
   ``/init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name,
@@ -23,7 +23,7 @@
   ``/update_weights_from_distributed {names, dtypes, shapes, group_name, load_format:
   "flattened_bucket", flush_cache: false}`` per bucket of the session's plan, the last one with
   ``weight_version`` → ``/destroy_weights_update_group`` → ``/end_weight_update`` →
-  ``/continue_generation``. NCCL on a GPU (the trainer's ``broadcast_backend: nccl``); the flattened
+  ``/continue_generation``. NCCL on a GPU (``weights.broadcast_backend: nccl``); the flattened
   buckets need SGLang ≥ 0.5.13. A failed session leaves the weights partly updated, so the caller loads
   the version from disk.
 * Health and readiness: ``GET /health_generate`` (503 while paused), ``GET /model_info`` and
@@ -121,7 +121,7 @@ class SGLangEngine(Engine):
                 self.broadcast_width = int(si.get("tp_size") or 1)
                 if int(si.get("dp_size") or 1) > 1 or int(si.get("pp_size") or 1) > 1:
                     log.warning("SGLang at %s runs dp_size %s / pp_size %s: its weight-update group takes "
-                                "tp_size ranks only (SGLang 0.5.23 asserts dp_size == 1); use weight_transport "
+                                "tp_size ranks only (SGLang 0.5.23 asserts dp_size == 1); use weights.transport: "
                                 "checkpoint", self.url, si.get("dp_size"), si.get("pp_size"))
         except (httpx.HTTPError, ValueError):
             pass  # older servers: one rank

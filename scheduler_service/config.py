@@ -1,10 +1,10 @@
 """Configuration of the scheduler service (section ``scheduler``)."""
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shared.config import BudgetConfig, Settings
+from shared.config import BudgetConfig, Settings, moved_keys
 
 
 class SchedulerConfig(BaseModel):
@@ -50,6 +50,13 @@ class SchedulerConfig(BaseModel):
     """Window of ``throughput_samples_per_s`` in ``GET /v1/status`` (seconds)."""
     recent_samples: int = Field(256, ge=1, le=1_000_000)
     """Train reward events kept for the recent reward mean and staleness in ``GET /v1/status``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        """Raises ValueError for keys that moved to the shared ``budget`` section, naming where they live."""
+        return moved_keys("scheduler", data, {"oversample": "budget.oversample",
+                                              "resample_unsolved": "budget.resample_unsolved"})
 
 
 class SchedulerSettings(Settings):

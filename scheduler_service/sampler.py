@@ -180,12 +180,12 @@ class Sampler:
         log.info("policy version %d: automatic eval round %s", v, rid)
 
     async def _issue_training(self) -> None:
-        tc = self.cfg.budget
-        if self.registry.policy_version >= tc.max_steps:
+        b = self.cfg.budget
+        if self.registry.policy_version >= b.max_steps:
             return  # the trainer is done: a slot given back now would only generate waste
         issued, in_flight = self.registry.train_group_counts()
-        per_step = math.ceil(tc.batch_groups * tc.oversample)
-        budget = training_budget(self.registry.policy_version, per_step, tc.max_staleness, tc.max_steps,
+        per_step = math.ceil(b.batch_groups * b.oversample)
+        budget = training_budget(self.registry.policy_version, per_step, b.max_staleness, b.max_steps,
                                  issued, in_flight)
         if budget > 0 and self.cfg.scheduler.curriculum == "learnability":
             replay = self._learnable(budget)

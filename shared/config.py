@@ -157,16 +157,29 @@ class Settings(BaseSettings):
     def load(cls, path: str | os.PathLike | None = None, **overrides: Any) -> Self:
         """Build these settings from a YAML file, the environment and ``overrides``.
 
+        The file and the overrides are each put in long form first (:meth:`normalise`, e.g. ``loss: bnpo``
+        → ``loss: {kind: bnpo}``), so an override of one nested field merges into the file's value.
+
         Args:
             path: YAML file; defaults to ``$FLYWHEEL_CONFIG`` when set, else none.
             overrides: nested dicts per section (e.g. ``budget={"max_steps": 3}``), applied over the file.
 
         Raises:
             FileNotFoundError: the YAML file does not exist.
-            ValueError: the file's top level is not a mapping.
-            pydantic.ValidationError: a field is unknown or out of bounds (the message names it).
+            ValueError: the file's top level is not a mapping, or the environment sets both a field and
+                one of its sub-fields (``FLYWHEEL_TRAINER__LOSS`` and ``FLYWHEEL_TRAINER__LOSS__CLIP_EPS``:
+                the first would silently replace the second).
+            pydantic.ValidationError: a field is unknown, moved or out of bounds (the message names it).
         """
-        return cls(**read_yaml(path, overrides))
+        check_env_overlap(os.environ)
+        data = _deep_merge(cls.normalise(read_yaml(path)), cls.normalise(overrides))
+        return cls(**data)
+
+    @classmethod
+    def normalise(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """Put shorthand values of the sections in long form before they are merged (a subclass adds its
+        own and calls ``super()``); the base class has none."""
+        return data
 
 
 def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -174,6 +187,43 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     for k, v in over.items():
         out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+def check_env_overlap(environ: dict[str, str] | os._Environ, prefix: str = "FLYWHEEL_") -> None:
+    """Refuse an environment that sets a field and one of its sub-fields at once.
+
+    pydantic-settings keeps only the outer value (``FLYWHEEL_TRAINER__LOSS=dapo`` wins over
+    ``FLYWHEEL_TRAINER__LOSS__CLIP_EPS=0.3``, which is then silently dropped).
+
+    Raises:
+        ValueError: names both variables and what to set instead.
+    """
+    names = sorted(k.upper() for k in environ if k.upper().startswith(prefix))
+    for outer in names:
+        inner = next((n for n in names if n.startswith(outer + "__")), None)
+        if inner is not None:
+            raise ValueError(f"{outer} and {inner} are both set: the first would replace the second; set the "
+                             f"sub-fields only (e.g. {outer}__KIND instead of {outer})")
+
+
+def moved_keys(section: str, data: Any, moved: dict[str, str]) -> Any:
+    """For a section's ``mode="before"`` validator: raise if ``data`` holds keys that moved elsewhere.
+
+    Args:
+        section: the section's name, for the message (``trainer``).
+        data: the section's raw input.
+        moved: old key → its new dotted place (``{"max_steps": "budget.max_steps"}``).
+
+    Raises:
+        ValueError: names every moved key found, its new place and its environment variable.
+    """
+    if not isinstance(data, dict):
+        return data
+    found = [k for k in moved if k in data]
+    if found:
+        raise ValueError("; ".join(f"{section}.{k} has moved to {moved[k]} "
+                                   f"(env FLYWHEEL_{moved[k].upper().replace('.', '__')})" for k in found))
+    return data
 
 
 def read_yaml(path: str | os.PathLike | None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:

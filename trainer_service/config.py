@@ -4,11 +4,18 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shared.config import BudgetConfig, Settings, WeightsConfig
+from shared.config import BudgetConfig, Settings, WeightsConfig, moved_keys
 from trainer_service.losses.config import GRPOLossConfig, LossConfig
 
-LOSS_FIELDS = ("clip_eps", "clip_eps_high", "loss_agg", "max_response_tokens", "adv_eps", "off_policy", "is_cap")
-"""Loss hyper-parameters that were ``trainer.<field>`` and are now ``trainer.loss.<field>``."""
+MOVED: dict[str, str] = {
+    **{k: f"budget.{k}" for k in ("batch_groups", "max_staleness", "max_steps")},
+    "weight_transport": "weights.transport",
+    **{k: f"weights.{k}" for k in ("broadcast_host", "broadcast_port", "broadcast_backend", "broadcast_timeout_s")},
+    **{k: f"trainer.loss.{k}" for k in ("clip_eps", "clip_eps_high", "loss_agg", "max_response_tokens", "adv_eps",
+                                        "off_policy", "is_cap")},
+}
+"""Keys that were ``trainer.<key>`` and where they live now (the loss fields under ``loss``, with its
+``kind``: ``loss: {kind: grpo, clip_eps: 0.2}``)."""
 
 
 class TrainerConfig(BaseModel):
@@ -73,14 +80,9 @@ class TrainerConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _moved_loss_fields(cls, data: Any) -> Any:
-        """Raises ValueError for a loss field at the top of the section, naming where it lives now."""
-        if isinstance(data, dict):
-            for key in LOSS_FIELDS:
-                if key in data:
-                    raise ValueError(f"trainer.{key} has moved to trainer.loss.{key} (e.g. loss: {{kind: grpo, "
-                                     f"{key}: ...}}; env FLYWHEEL_TRAINER__LOSS__{key.upper()})")
-        return data
+    def _moved(cls, data: Any) -> Any:
+        """Raises ValueError for keys that moved out of the section (:data:`MOVED`), naming where they live."""
+        return moved_keys("trainer", data, MOVED)
 
 
 class TrainerSettings(Settings):
@@ -93,3 +95,13 @@ class TrainerSettings(Settings):
     """A factory, not an instance: with ``nested_model_default_partial_update`` pydantic-settings merges the
     dump of a default *instance* under the file and the environment, which would fill a ``loss: {kind:
     dapo}`` mapping with ``grpo``'s defaults (and reject ``gspo``'s missing fields)."""
+
+    @classmethod
+    def normalise(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """``trainer.loss: bnpo`` → ``trainer.loss: {kind: bnpo}``, so that an override of one loss field
+        (``FLYWHEEL_TRAINER__LOSS__CLIP_EPS``, ``--set trainer.loss.clip_eps=...``) keeps the file's kind."""
+        data = super().normalise(data)
+        trainer = data.get("trainer")
+        if isinstance(trainer, dict) and isinstance(trainer.get("loss"), str):
+            data = {**data, "trainer": {**trainer, "loss": {"kind": trainer["loss"]}}}
+        return data

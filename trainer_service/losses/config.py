@@ -186,8 +186,14 @@ class GSPOLossConfig(_ClippedLossConfig):
 
 
 def _shorthand(value: Any) -> Any:
-    """``"dapo"`` → ``{"kind": "dapo"}`` (the YAML ``loss: dapo``); anything else is left to the union."""
-    return {"kind": value} if isinstance(value, str) else value
+    """``"dapo"`` → ``{"kind": "dapo"}`` (the YAML ``loss: dapo``); a mapping without ``kind`` is of the
+    default kind, ``grpo`` (an override of one field when the file names no loss); anything else is left
+    to the union."""
+    if isinstance(value, str):
+        return {"kind": value}
+    if isinstance(value, dict) and "kind" not in value:
+        return {"kind": "grpo", **value}
+    return value
 
 
 LossConfig = Annotated[
