@@ -31,7 +31,7 @@ import logging
 import multiprocessing
 import re
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 from opentelemetry import propagate
@@ -45,11 +45,8 @@ from verifier_service import deterministic as det
 from verifier_service.config import VerifierConfig
 from verifier_service.deterministic import CheckResult, infra, ok_if
 from verifier_service.extract import (
-    clip, extract_boxed, extract_code, extract_last_word_number, latexify_plain_math, strip_reasoning,
-    box_spans, box_is_operand, final_statement, has_alternatives, hedges, last_line, normalise_math_text,
-    plain_statement, statement_as_latex,
+    clip, extract_code, math_candidates, normalise_math_text, stated_answer, strip_reasoning,
 )
-from verifier_service.extract import _AND, _DELIMITED, _SCALE  # the stated answer's patterns
 from verifier_service.hacks import detect_hacks, gold_shape, zeroing_hacks
 from verifier_service.judge import JudgeClient
 from verifier_service.rules import run_rules
@@ -244,101 +241,6 @@ def math_verify_compare(gold: str, body: str, options: dict[str, Any]) -> dict[s
                             numeric_precision=options["numeric_precision"], strict=options["strict"],
                             allow_set_relation_comp=options["allow_set_relation_comp"], timeout_seconds=None))
     return out
-
-
-_SET_PART = re.compile(r"(?i),|\bor\b|\band\b|\beither\b|\\text\{\s*(?:or|and)\s*\}")
-_VAR_EQ = re.compile(r"^\s*[A-Za-z](?:_\w)?\s*=\s*")
-
-
-def stated_answer(body: str, gold: str) -> tuple[str | None, str | None]:
-    """(the text to read instead of :func:`math_candidates`, why the completion states no single
-    answer) for a normalised completion (:func:`normalise_math_text`); (None, None) leaves the reading
-    to :func:`math_candidates`.
-
-    * The last box is not the answer when it is an operand (``\\boxed{2}^3``, ``\\boxed{2}\\pi``) or
-      offers alternatives (``44 \\vee 45``), or when hedged after it ("(or possibly 3)"): rejected.
-    * A stated answer ("the answer is …", "Answer: …", "it is …", see :func:`final_statement`) after
-      the last box (or anywhere, with no box) wins over the box: with LaTeX delimiters, the text from
-      the cue on is read; in plain text (bare LaTeX included), the statement up to the end of its
-      sentence is read as ``$…$``. With no cue and no box, a last line that is a bare ASCII expression
-      (``(1, 2)``, ``2\\sqrt{3}``, ``x = 1, y = 2``) is that statement (``π``, ``√``, ``°`` lines are
-      left to :func:`latexify_plain_math`).
-    * A plain statement is rejected when it is not one whole expression (words inside, unless it holds
-      one number standing as a word, "Sphere 3 hours ago"; a scale word, ``%``, an ordinal, ``!`` or a
-      ratio the gold lacks), or offers alternatives ("2 or 3", "either")
-      or several parts ("2 and 3") where the gold has none. Where the gold is a set, "1 or 2",
-      "1 and 2", "x = 1, 2" are read as that set.
-    """
-    gold_alt = has_alternatives(gold)
-    gold_multi = gold_alt or bool(_AND.search(gold)) or "," in gold
-    gold_set = "\\{" in gold
-    boxes = box_spans(body)
-    after = boxes[-1][1] if boxes else 0
-    if boxes:
-        a, b = boxes[-1]
-        if box_is_operand(body, a, b):
-            return None, "the last box is part of a larger expression, not the answer by itself"
-        if has_alternatives(body[a + 7:b - 1]) and not gold_alt:
-            return None, "the boxed answer offers alternatives"
-    st = final_statement(body, after)
-    if st is None:
-        if boxes:
-            tail = body[after:]
-            if hedges(tail) and not gold_alt:
-                return None, "the answer is hedged after its box"
-            return None, None
-        line = last_line(body)
-        if not re.search(r"[\dA-Za-z]", line) or not line.isascii() or _DELIMITED.search(line) or re.search(r"\\[)\]]", line) \
-                or plain_statement(line)[1]:
-            return None, None  # prose, or LaTeX math-verify reads itself
-        pos, stated = 0, line
-    else:
-        pos, stated = st
-    alt = has_alternatives(stated) and not gold_alt
-    several = bool(_AND.search(stated)) and not gold_multi
-    if _DELIMITED.search(stated):
-        if alt or several:
-            return None, "the stated answer offers alternatives"
-        return (body[pos:] if boxes else None), None
-    if _SCALE.search(stated) and not _SCALE.search(gold):
-        return None, f"the stated answer {stated!r} is a fragment (a scale word, percent or ordinal)"
-    if re.search(r"!|:\s*\d", stated) and not re.search(r"!|:", gold):
-        return None, f"the stated answer {stated!r} is a fragment (a factorial or ratio)"
-    expr, prose = plain_statement(stated)
-    if prose and len(re.findall(r"\d+(?:[.,]\d+)*", stated)) == 1:
-        expr = extract_last_word_number(stated)  # prose around one number standing as a word
-    if expr is None:
-        return None, f"the stated answer {stated!r} is not a whole expression"
-    if gold_set and _SET_PART.search(expr):
-        parts = [_VAR_EQ.sub("", p).strip() for p in _SET_PART.split(expr)]
-        parts = [p for p in parts if p]
-        if parts and not any(_VAR_EQ.match(p) or "=" in p for p in parts):
-            return "$\\{" + ", ".join(parts) + "\\}$", None
-    if alt or several:
-        return None, f"the stated answer {stated!r} offers alternatives"
-    return statement_as_latex(expr), None
-
-
-def math_candidates(body: str, options: dict[str, Any]) -> Iterator[tuple[str, str]]:
-    """The ``(how, text)`` readings of a reasoning-stripped completion that :func:`math_verify_compare`
-    tries, lazily (a reading is built only when the one before found nothing), under ``options``:
-
-    1. ``full``: the whole text, which math-verify reads itself (all of ``\\boxed{1}, \\boxed{2}`` as one
-       set, a "final answer is" sentence after intermediate boxes); plain-text math (``2pi``,
-       ``3*sqrt(2)``) rewritten as LaTeX first when the spec has the ``latex`` target;
-    2. ``boxed``: the last ``\\boxed{}`` alone (unless ``boxed_match_priority`` is -1);
-    3. ``last_number``: the last number standing as a word (``expr`` target only; never the 2 of
-       ``AZYUK2A``, and none when the last number is a fragment such as the 2 of ``\\sqrt{2}``).
-
-    Only used when :func:`stated_answer` finds no stated answer.
-    """
-    yield "full", latexify_plain_math(body) if "latex" in options["extraction"] else body
-    boxed = extract_boxed(body) if options["boxed_match_priority"] >= 0 else None
-    if boxed:
-        yield "boxed", f"\\boxed{{{boxed}}}"
-    num = extract_last_word_number(body) if "expr" in options["extraction"] else None
-    if num is not None:
-        yield "last_number", num
 
 
 # ---------------------------------------------------------------- the dispatcher
