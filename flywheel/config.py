@@ -19,7 +19,6 @@ from flywheel.tasks import TaskSourceConfig
 from rollout_service.config import RolloutSettings
 from sandbox_service.config import SandboxSettings
 from scheduler_service.config import SchedulerSettings
-from shared.config import KafkaConfig, ModelConfig, RunConfig  # noqa: F401  (re-exported for callers)
 from trainer_service.config import TrainerSettings
 from verifier_service.config import VerifierSettings
 

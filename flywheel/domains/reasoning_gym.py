@@ -12,7 +12,7 @@ import random
 from typing import Any
 
 from flywheel.domains.common import ANSWER_TAG_SYSTEM, TRUNCATION_GATE, split_seed, task_body, with_recipe
-from verifier_service.deterministic import LENIENT_SCORERS, SLOW_SCORERS, TUPLE_METADATA_SCORERS
+from verifier_service.deterministic import LENIENT_SCORERS, SLOW_SCORERS
 
 RECIPE: dict[str, Any] | None = TRUNCATION_GATE
 """Recipe every task carries: an answer tag inside a response cut off at the token budget is not a
@@ -33,7 +33,6 @@ EXCLUDED: dict[str, str] = {
 # How the verifier scores some generators is the verifier's knowledge; re-exported here for the tests
 # and benchmarks that pick generators by it.
 WRAPPED = LENIENT_SCORERS
-TUPLE_METADATA = TUPLE_METADATA_SCORERS
 SLOW = SLOW_SCORERS
 
 
