@@ -5,6 +5,159 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.config import BudgetConfig, Settings, moved_keys
+from shared.topics import DEFAULT_POOL, POOL_PATTERN
+
+DOMAIN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+"""What a configured domain name may be (it is a path segment of ``/v1/domains/{domain}``)."""
+
+
+class LevelConfig(BaseModel):
+    """One difficulty level of a domain (``domains.<d>.levels[i]``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = Field(None, max_length=128)
+    """A label for reports (default ``L<i>``)."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Generator domains: keyword arguments of the generator at this level, merged key by key (nested
+    mappings too) over the domain's ``params`` (e.g. ``{config: {max_digits: 3}}``)."""
+    difficulty: tuple[float, float] | None = None
+    """Fixed-data domains: this level issues the tasks whose ``difficulty`` is in ``[lo, hi]``."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "LevelConfig":
+        if self.difficulty is not None and not self.difficulty[0] <= self.difficulty[1]:
+            raise ValueError(f"difficulty range {list(self.difficulty)} is empty: lo must be <= hi")
+        return self
+
+
+class CurriculumConfig(BaseModel):
+    """How a domain moves between its levels. ``adaptive``: up one level when the recent training pass
+    rate of the current level's tasks rises above ``promote_above``, down one when it falls below
+    ``demote_below``; after a move the window restarts and at least ``min_samples`` scored samples of the
+    new level are needed before the next (hysteresis). ``fixed``: the level changes only when set."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["fixed", "adaptive"] = "fixed"
+    promote_above: float = Field(0.8, gt=0.0, le=1.0)
+    demote_below: float = Field(0.2, ge=0.0, lt=1.0)
+    window: int = Field(64, ge=1, le=100_000)
+    """Span of the recent pass rate: an exponential moving average over scored samples with
+    α = 2 / (window + 1)."""
+    min_samples: int = Field(32, ge=1, le=1_000_000)
+    """Scored samples of the current level before it may move (again)."""
+
+    @model_validator(mode="after")
+    def _band(self) -> "CurriculumConfig":
+        if self.demote_below >= self.promote_above:
+            raise ValueError(f"demote_below ({self.demote_below}) must be below promote_above ({self.promote_above})")
+        return self
+
+
+class AdaptiveSamples(BaseModel):
+    """Samples per group chosen per task from its pass rate p: the fewest ``n`` in ``[min, max]`` with
+    P(a group of n has both a pass and a fail) = 1 − pⁿ − (1 − p)ⁿ ≥ ``target`` (the chance the group
+    has a non-zero advantage, Knapsack RL, Li et al. 2025, arXiv:2509.25849); ``max`` while p is unknown
+    or 0 (an unsolved task needs many tries to show a pass), ``min`` when p is 1."""
+
+    model_config = ConfigDict(extra="forbid")
+    min: int = Field(2, ge=2, le=1024)
+    max: int = Field(16, ge=2, le=1024)
+    target: float = Field(0.5, gt=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _range(self) -> "AdaptiveSamples":
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
+        return self
+
+
+class DomainBudget(BaseModel):
+    """Caps on what a domain may spend (``None``: no cap). Once a cap is reached (spent plus what its
+    groups in flight are expected to cost) the domain's training groups stop; evaluation goes on."""
+
+    model_config = ConfigDict(extra="forbid")
+    samples: int | None = Field(None, ge=0)
+    """Training trajectories."""
+    generated_tokens: int | None = Field(None, ge=0)
+    tool_rounds: int | None = Field(None, ge=0)
+    sandbox_seconds: float | None = Field(None, ge=0, allow_inf_nan=False)
+    """Sandbox seconds of the tool loop and of the unit tests together."""
+    judge_calls: int | None = Field(None, ge=0)
+
+
+class LifecycleConfig(BaseModel):
+    """When a training task leaves the rotation (it stays registered and keeps its statistics)."""
+
+    model_config = ConfigDict(extra="forbid")
+    retire_after: int = Field(2, ge=0, le=1000)
+    """Retire a task solved in every sample of its last this many groups (0 = never): such groups have
+    equal rewards, so no advantage, and only cost rollouts."""
+    flag_after: int = Field(8, ge=0, le=1000)
+    """Flag a task no sample of which passed in this many groups (0 = never): a broken or far too hard
+    task, listed per domain. Flagged tasks keep being issued."""
+
+
+class DomainConfig(BaseModel):
+    """One domain as the scheduler runs it (YAML ``domains.<name>``, ``PUT /v1/domains/{name}``).
+
+    A domain is created with these defaults the first time a task of it is registered.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    weight: float = Field(1.0, ge=0.0, le=1e6, allow_inf_nan=False)
+    """Share of the issued training groups, relative to the other active domains' weights (0 = none)."""
+    state: Literal["active", "paused", "retired"] = "active"
+    """``paused``: no training groups (evaluation goes on); ``retired``: finished, as paused but for good."""
+    levels: list[LevelConfig] | None = Field(None, min_length=1, max_length=64)
+    """Difficulty levels, easiest first (``None``: one level holding every task)."""
+    level: int = Field(0, ge=0)
+    """The current level (index into ``levels``)."""
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
+    generator: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
+    """``module`` or ``module:function`` (default function ``make``): ``make(n, seed, split, **params)``
+    returns task bodies. The scheduler calls it to make the training tasks of a level when the domain
+    enters it (``tasks_per_level``) or runs out of live ones, and ``eval_size`` held-out tasks once."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Generator keyword arguments common to every level."""
+    tasks_per_level: int = Field(32, ge=1, le=100_000)
+    eval_size: int = Field(0, ge=0, le=100_000)
+    """Held-out tasks the generator makes at ``eval_level`` (generator domains only)."""
+    eval_level: int = Field(0, ge=0)
+    samples_per_task: int | None = Field(None, ge=2, le=1024)
+    """K of the domain's training groups (``None``: each task's own ``samples_per_task``)."""
+    adaptive_samples: AdaptiveSamples | None = None
+    """Samples per group from each task's pass rate (``None``: K as above)."""
+    pool: str = Field(DEFAULT_POOL, pattern=POOL_PATTERN)
+    """Rollout pool whose replicas generate this domain's groups (``rollout.pool``)."""
+    max_tokens: int | None = Field(None, ge=1, le=32768)
+    """``max_new_tokens`` of this domain's requests (``None``: ``scheduler.max_tokens``)."""
+    budget: DomainBudget = Field(default_factory=DomainBudget)
+    lifecycle: LifecycleConfig = Field(default_factory=LifecycleConfig)
+
+    @model_validator(mode="after")
+    def _levels(self) -> "DomainConfig":
+        n = len(self.levels) if self.levels else 1
+        if self.level >= n:
+            raise ValueError(f"level {self.level} does not exist: the domain has {n} level(s)")
+        if self.eval_level >= n:
+            raise ValueError(f"eval_level {self.eval_level} does not exist: the domain has {n} level(s)")
+        if self.curriculum.mode == "adaptive" and n < 2:
+            raise ValueError("curriculum.mode adaptive needs at least two levels")
+        if self.eval_size and not self.generator:
+            raise ValueError("eval_size needs a generator (fixed-data domains submit their held-out tasks)")
+        return self
+
+    def level_params(self, level: int) -> dict[str, Any]:
+        """The generator's keyword arguments at ``level``: ``params`` with the level's merged over them."""
+        return deep_merge(self.params, self.levels[level].params if self.levels else {})
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``over`` merged in key by key; nested mappings merge, anything else is replaced."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 class SchedulerConfig(BaseModel):
@@ -50,6 +203,15 @@ class SchedulerConfig(BaseModel):
     """Window of ``throughput_samples_per_s`` in ``GET /v1/status`` (seconds)."""
     recent_samples: int = Field(256, ge=1, le=1_000_000)
     """Train reward events kept for the recent reward mean and staleness in ``GET /v1/status``."""
+    issue_order: Literal["cost", "fifo"] = "cost"
+    """Order of the groups the mix chose. ``cost``: among the domains due within the next
+    ``cost_lookahead`` decisions the one whose groups take longest (learned wall seconds per group) goes
+    first, so long multi-turn groups start early and short ones fill around them; a domain passed over
+    ``cost_lookahead`` times goes next whatever its cost, so a domain's count strays at most ``cost_lookahead`` + 1
+    groups from its share. ``fifo``: strictly the mix's order."""
+    cost_lookahead: int = Field(8, ge=1, le=1024)
+    """Decisions a domain may be moved ahead by (``issue_order: cost``); also the bound on how far the
+    per-domain counts drift from the weights because of it."""
 
     @model_validator(mode="before")
     @classmethod
@@ -60,7 +222,20 @@ class SchedulerConfig(BaseModel):
 
 
 class SchedulerSettings(Settings):
-    """What the scheduler process reads: its section, the shared ``budget``, and ``kafka``, ``model``, ``run``."""
+    """What the scheduler process reads: its section, ``domains``, the shared ``budget``, and ``kafka``,
+    ``model``, ``run``."""
 
     budget: BudgetConfig = BudgetConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    domains: dict[str, DomainConfig] = Field(default_factory=dict)
+    """Domains by name. Applied at start: a domain the registry does not know, or whose entry here changed
+    since it was last applied, takes this config; otherwise the registry's (REST changes) is kept."""
+
+    @model_validator(mode="after")
+    def _domain_names(self) -> "SchedulerSettings":
+        import re
+
+        bad = [d for d in self.domains if not re.match(DOMAIN_PATTERN, d)]
+        if bad:
+            raise ValueError(f"domains: invalid name(s) {bad[:5]} (letters, digits, '_', '.', '-'; up to 128)")
+        return self

@@ -7,10 +7,11 @@ record, so a task the API accepts is a valid Task record.
 from __future__ import annotations
 
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from scheduler_service.config import DomainConfig
 from shared.schemas import Task, TaskBody, check_task_id
 
 
@@ -39,10 +40,20 @@ class TaskBatchCreate(BaseModel):
     tasks: list[TaskCreate] = Field(min_length=1, max_length=10000)
 
 
+class Duplicate(BaseModel):
+    """A posted task whose content (domain, normalised prompt, verifier spec) is already stored."""
+
+    task_id: str
+    duplicate_of: str
+
+
 class TaskIds(BaseModel):
-    """Answer of ``POST /v1/tasks``: the ids, in the order posted."""
+    """Answer of ``POST /v1/tasks``: the ids, in the order posted; ``duplicates``: the posted tasks not
+    stored because a task of the same domain with the same content is (their ids resolve to it; the
+    field is left out when there is none)."""
 
     task_ids: list[str]
+    duplicates: list[Duplicate] = Field(default_factory=list)
 
 
 class TaskPublic(BaseModel):
@@ -56,6 +67,14 @@ class TaskPublic(BaseModel):
     passes: int
     pass_rate: float | None
     groups_issued: int
+    """``registered``, ``active`` (issued at least once) or ``retired`` (solved in every sample of its last
+    ``lifecycle.retire_after`` groups: no longer trained, kept for evaluation and statistics)."""
+    level: int | None = None
+    """Its domain level, shown when not 0."""
+    flagged: bool | None = None
+    """Shown (True) when no sample passed in ``lifecycle.flag_after`` groups."""
+    duplicate_of: str | None = None
+    """Shown when the id asked for was posted as a duplicate of this task."""
 
 
 class EvalCreate(BaseModel):
@@ -123,5 +142,52 @@ class StatusPublic(BaseModel):
     trainer: dict[str, float]
     trainer_step: int | None
     evals: list[EvalRoundPublic]
+    cost: dict[str, dict[str, float]] = Field(default_factory=dict)
+    """What the run's samples cost so far, per purpose (``train``, ``eval``): samples, generated_tokens,
+    tool_rounds, tool_seconds, sandbox_seconds, judge_calls, verify_seconds (per domain: ``GET /v1/domains``)."""
+    domains: dict[str, int] = Field(default_factory=dict)
+    """Domains per status (see ``GET /v1/domains``)."""
     paused_domains: dict[str, str] = Field(default_factory=dict)
     """Domains whose training groups are not issued, with the reason (resume: ``POST /v1/domains/{d}/resume``)."""
+
+
+class DomainPublic(BaseModel):
+    """One domain in ``GET /v1/domains``: its config and what the scheduler knows of it.
+
+    ``status``: ``active`` (issued), ``paused`` (by the verifier, ``pause_reason``, or by config),
+    ``retired``, ``over_budget`` (a cap in ``config.budget`` reached; ``over_budget`` says which),
+    ``no_tasks`` (no live training task at its level; a generator domain makes more), ``zero_weight``.
+    ``share``: its fraction of the training groups the mix issued so far (re-samples not counted).
+    ``spend``: per purpose (``train``, ``eval``): samples, generated_tokens, tool_rounds, tool_seconds,
+    sandbox_seconds, judge_calls, verify_seconds, groups (complete), group_seconds (wall, issue → last
+    reward). ``budget_left``: cap − training spend per capped key.
+    """
+
+    domain: str
+    config: DomainConfig
+    status: str
+    pause_reason: str | None = None
+    over_budget: str | None = None
+    level: int
+    level_name: str
+    levels: int
+    recent_pass_rate: float | None
+    level_samples: int
+    tasks: dict[str, int]
+    live_by_level: dict[int, int]
+    groups_issued: int
+    share: float | None
+    seconds_per_group: float | None
+    spend: dict[str, dict[str, float]]
+    budget_left: dict[str, float]
+    generator_error: str | None = None
+
+
+class DomainDetail(DomainPublic):
+    """``GET /v1/domains/{domain}``: a domain with its latest events (level moves, generated batches,
+    pauses) and the ids of its retired, flagged and duplicate tasks (up to 100 each)."""
+
+    events: list[dict[str, Any]]
+    retired_tasks: list[str]
+    flagged_tasks: list[str]
+    duplicate_tasks: list[str]

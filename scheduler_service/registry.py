@@ -12,21 +12,29 @@ outstanding), ``complete`` (a reward for every sample index) and ``abandoned`` (
 
 from __future__ import annotations
 
+import random
 import sqlite3
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator
 
 import orjson
 
+from scheduler_service.config import DomainConfig
+from scheduler_service.domains import DOMAIN_SCHEMA, TASK_COLUMNS, DomainTables, content_key, level_of
 from shared.config import RunConfig
 from shared.groups import SampleOutcome, is_unsolved, resample_wanted
 from shared.schemas import RewardEvent, Task
 
+_READ_AHEAD = 64
+"""Training tasks read ahead per domain and level (:meth:`Registry.next_train_tasks`)."""
+
 _PAUSED_KEY = "paused_domains"
+"""Where registries written before domains had their own table kept the paused ones (moved on open)."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tasks (
@@ -77,6 +85,12 @@ CREATE TABLE IF NOT EXISTS eval_rounds (
     n_items INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+""" + DOMAIN_SCHEMA
+
+_INDEXES = """
+CREATE INDEX IF NOT EXISTS tasks_pick ON tasks (domain, level, groups_issued, rnd) WHERE split = 'train' AND retired = 0;
+CREATE INDEX IF NOT EXISTS tasks_content ON tasks (domain, content_key);
+CREATE INDEX IF NOT EXISTS groups_domain ON "groups" (domain, state);
 """
 
 
@@ -90,15 +104,41 @@ class TaskConflictError(ValueError):
 
 @dataclass(frozen=True)
 class IssuedGroup:
-    """A group to send as a RolloutRequest (its row is already written)."""
+    """A group to send as a RolloutRequest (its row is already written).
+
+    ``payload`` is the task's stored JSON (:func:`canonical_payload`); :attr:`task` validates it on
+    first use, so issuing never re-validates a task (the sampler splices the payload into the request).
+    """
 
     group_id: str
-    task: Task
+    payload: str
     purpose: str
     attempt: int
     n: int
     eval_round: int | None
     min_policy_version: int
+    task_id: str
+    domain: str
+    pool: str = "default"
+    """Rollout pool of the request: the task's ``pool``, else its domain's."""
+    max_tokens: int | None = None
+    """The domain's ``max_new_tokens`` (``None``: the scheduler's)."""
+
+    @cached_property
+    def task(self) -> Task:
+        """The task record (validated from :attr:`payload` on first use)."""
+        return Task.model_validate_json(self.payload)
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What :meth:`Registry.register` did with a batch: ``task_ids[i]`` is the id the i-th task is
+    stored under (its own, or for a duplicate the task it duplicates); ``new``: the tasks stored now;
+    ``duplicates``: ``(posted id, id of the stored task with the same content)``."""
+
+    task_ids: list[str]
+    new: list[Task]
+    duplicates: list[tuple[str, str]]
 
 
 @dataclass(frozen=True)
@@ -117,6 +157,8 @@ class RewardOutcome:
     scored: bool
     completed: bool
     resample: IssuedGroup | None = None
+    notes: tuple[str, ...] = ()
+    """What it changed beyond the group, for the log: a level move, a retired or flagged task."""
 
 
 def canonical_payload(task: Task) -> str:
@@ -136,8 +178,20 @@ def sqlite_path(database_url: str, run: RunConfig) -> Path:
     return run.path(database_url[len(prefix):])
 
 
-class Registry:
-    """Tasks, groups, counted rewards, eval rounds and key/values in one SQLite file.
+def _add_columns(db: sqlite3.Connection, table: str, columns: dict[str, str]) -> None:
+    """Add the columns a registry written by an earlier version lacks."""
+    have = {r["name"] for r in db.execute(f'PRAGMA table_info("{table}")')}
+    for col, decl in columns.items():
+        if col not in have:
+            try:
+                db.execute(f'ALTER TABLE "{table}" ADD COLUMN {col} {decl}')
+            except sqlite3.OperationalError as e:  # another process added it first
+                if "duplicate column" not in str(e):
+                    raise
+
+
+class Registry(DomainTables):
+    """Tasks, groups, counted rewards, eval rounds, domains and key/values in one SQLite file.
 
     Thread-safe (one connection under a lock). Times are Unix seconds.
     """
@@ -151,15 +205,24 @@ class Registry:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
-        cols = {r["name"] for r in self._db.execute('PRAGMA table_info("groups")')}
-        # columns a registry written by an earlier version lacks: re-samples, then the trainer's drops
-        for col in ("resample_of", "dropped"):
-            if col not in cols:
-                try:
-                    self._db.execute(f'ALTER TABLE "groups" ADD COLUMN {col} TEXT')
-                except sqlite3.OperationalError as e:  # another process added it first
-                    if "duplicate column" not in str(e):
-                        raise
+        # columns a registry written by an earlier version lacks: re-samples, the trainer's drops, domains
+        _add_columns(self._db, "groups", {"resample_of": "TEXT", "dropped": "TEXT", "domain": "TEXT"})
+        _add_columns(self._db, "tasks", TASK_COLUMNS)
+        self._db.executescript(_INDEXES)
+        self._rng = random.Random(0)
+        self._ahead: dict[str, dict[int, list[tuple[str, int, int]]]] = {}
+        self._load_domains()
+        self._migrate_paused()
+
+    def _migrate_paused(self) -> None:
+        """Move the paused domains of a registry from before the domains table into it."""
+        old = self.kv_get(_PAUSED_KEY)
+        if not old:
+            return
+        for name, v in old.items():
+            self.pause_domain(name, v.get("reason", "misconfigured"), v.get("task_id"))
+        with self._tx() as db:
+            db.execute("DELETE FROM kv WHERE key = ?", (_PAUSED_KEY,))
 
     @classmethod
     def from_url(cls, database_url: str, run: RunConfig) -> "Registry":
@@ -193,12 +256,23 @@ class Registry:
     # ------------------------------------------------------------ tasks
 
     def register_tasks(self, tasks: list[Task]) -> list[str]:
+        """:meth:`register` returning the posted ids (the duplicates' own ids included)."""
+        self.register(tasks)
+        return [t.task_id for t in tasks]
+
+    def register(self, tasks: list[Task], level: int | None = None) -> Registration:
         """Store a batch of tasks in one transaction: all or nothing.
 
-        A task id already stored with the same content is accepted again (idempotent).
+        A task id already stored with the same content is accepted again (idempotent). A task with a new
+        id whose content (:func:`scheduler_service.domains.content_key`: domain, normalised prompt,
+        verifier spec) is already stored in its domain, or earlier in the batch, is not stored: it is
+        reported as a duplicate of that task (and ``GET /v1/tasks/{id}`` shows that one). Domains seen for
+        the first time are created with the default config.
 
-        Returns:
-            The task ids in the order given.
+        Args:
+            tasks: the batch.
+            level: the level of every task (a generator's batch); ``None``: from each task's difficulty
+                and its domain's levels (:func:`scheduler_service.domains.level_of`).
 
         Raises:
             TaskConflictError: an id is stored, or repeated in the batch, with different content
@@ -206,39 +280,79 @@ class Registry:
         """
         now = time.time()
         seen: dict[str, str] = {}
+        keys: dict[tuple[str, str], str] = {}
         conflicts: list[str] = []
+        ids, new, dups = [], [], []
         with self._tx() as db:
+            self._ensure_domains(db, {t.domain for t in tasks})
             for t in tasks:
                 payload = canonical_payload(t)
                 if t.task_id in seen:
                     if seen[t.task_id] != payload:
                         conflicts.append(t.task_id)
+                    ids.append(ids[list(seen).index(t.task_id)])
                     continue
                 seen[t.task_id] = payload
                 row = db.execute("SELECT payload FROM tasks WHERE task_id = ?", (t.task_id,)).fetchone()
                 if row is not None:
                     if row["payload"] != payload:
                         conflicts.append(t.task_id)
+                    ids.append(t.task_id)
                     continue
+                key = content_key(t)
+                kept = keys.get((t.domain, key)) or self._stored_with(db, t.domain, key)
+                if kept is not None:
+                    db.execute("INSERT OR IGNORE INTO duplicates (task_id, duplicate_of, domain, at) VALUES (?, ?, ?, ?)",
+                               (t.task_id, kept, t.domain, now))
+                    dups.append((t.task_id, kept))
+                    ids.append(kept)
+                    continue
+                keys[(t.domain, key)] = t.task_id
+                cfg = self._domains[t.domain].config if t.domain in self._domains else DomainConfig()
+                lv = level if level is not None else level_of(cfg, t.difficulty)
                 db.execute(
-                    "INSERT INTO tasks (task_id, domain, split, difficulty, payload, state, created_at)"
-                    " VALUES (?, ?, ?, ?, ?, 'registered', ?)",
-                    (t.task_id, t.domain, t.split, t.difficulty, payload, now),
+                    "INSERT INTO tasks (task_id, domain, split, difficulty, payload, state, created_at, content_key,"
+                    " level, rnd) VALUES (?, ?, ?, ?, ?, 'registered', ?, ?, ?, ?)",
+                    (t.task_id, t.domain, t.split, t.difficulty, payload, now, key, lv, self._rng.random()),
                 )
+                ids.append(t.task_id)
+                new.append(t)
             if conflicts:
                 raise TaskConflictError(conflicts)
-        return [t.task_id for t in tasks]
+        with self._lock:
+            for d in {t.domain for t in new}:
+                self._forget_order(d)
+        self._load_domains()
+        return Registration(ids, new, dups)
+
+    @staticmethod
+    def _stored_with(db: sqlite3.Connection, domain: str, key: str) -> str | None:
+        row = db.execute("SELECT task_id FROM tasks WHERE domain = ? AND content_key = ?", (domain, key)).fetchone()
+        return row["task_id"] if row else None
 
     def get_task(self, task_id: str) -> dict[str, Any] | None:
-        """Summary of one task (``None`` when unknown); ``pass_rate`` is passes/samples or ``None``."""
+        """Summary of one task (``None`` when unknown); ``pass_rate`` is passes/samples or ``None``;
+        ``state`` is ``retired`` once retired from training. Only when they say something: ``level``
+        (not 0), ``flagged`` (True) and ``duplicate_of`` (the id asked for was posted as a duplicate of
+        this task, whose summary this is)."""
+        dup = self._one("SELECT duplicate_of FROM duplicates WHERE task_id = ?", task_id)
         row = self._one(
-            "SELECT task_id, domain, split, state, samples, passes, groups_issued FROM tasks WHERE task_id = ?",
-            task_id,
+            "SELECT task_id, domain, split, state, samples, passes, groups_issued, level, retired, flagged"
+            " FROM tasks WHERE task_id = ?", dup["duplicate_of"] if dup else task_id,
         )
         if row is None:
             return None
         d = dict(row)
+        level, retired, flagged = d.pop("level"), d.pop("retired"), d.pop("flagged")
         d["pass_rate"] = d["passes"] / d["samples"] if d["samples"] else None
+        if retired:
+            d["state"] = "retired"
+        if level:
+            d["level"] = level
+        if flagged:
+            d["flagged"] = True
+        if dup:
+            d["duplicate_of"] = dup["duplicate_of"]
         return d
 
     def task_counts(self) -> dict[str, int]:
@@ -256,46 +370,19 @@ class Registry:
         """Ids of the train tasks of unpaused domains with the fewest groups issued, sorted (empty when none)."""
         paused = list(self.paused_domains())
         marks = ",".join("?" * len(paused))
-        active = f"split = 'train' AND domain NOT IN ({marks})"
+        active = f"split = 'train' AND retired = 0 AND domain NOT IN ({marks})"
         rows = self._all(
             f"SELECT task_id FROM tasks WHERE {active} AND groups_issued ="
             f" (SELECT MIN(groups_issued) FROM tasks WHERE {active}) ORDER BY task_id", *paused, *paused
         )
         return [r["task_id"] for r in rows]
 
-    # ------------------------------------------------------------ paused domains
-
-    def paused_domains(self) -> dict[str, dict[str, Any]]:
-        """Domains paused because their verifier spec is broken: ``{domain: {"reason", "since", "task_id"}}``."""
-        return self.kv_get(_PAUSED_KEY, {})
-
-    def pause_domain(self, domain: str, reason: str, task_id: str) -> bool:
-        """Stop issuing training groups of ``domain``; False when it was already paused."""
-        with self._tx() as db:
-            row = db.execute("SELECT value FROM kv WHERE key = ?", (_PAUSED_KEY,)).fetchone()
-            paused = orjson.loads(row["value"]) if row else {}
-            if domain in paused:
-                return False
-            paused[domain] = {"reason": reason, "since": time.time(), "task_id": task_id}
-            db.execute("INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)", (_PAUSED_KEY, orjson.dumps(paused).decode()))
-        return True
-
-    def resume_domain(self, domain: str) -> bool:
-        """Issue ``domain``'s groups again; False when it was not paused."""
-        with self._tx() as db:
-            row = db.execute("SELECT value FROM kv WHERE key = ?", (_PAUSED_KEY,)).fetchone()
-            paused = orjson.loads(row["value"]) if row else {}
-            if paused.pop(domain, None) is None:
-                return False
-            db.execute("INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)", (_PAUSED_KEY, orjson.dumps(paused).decode()))
-        return True
-
     def learnable_train_tasks(self) -> list[tuple[str, float]]:
         """``(task_id, pass_rate)`` of train tasks with a pass rate strictly between 0 and 1 and no
         group in flight, sorted by id."""
         rows = self._all(
             "SELECT t.task_id, CAST(t.passes AS REAL) / t.samples AS p FROM tasks t WHERE t.split = 'train'"
-            " AND t.samples > 0 AND t.passes > 0 AND t.passes < t.samples AND NOT EXISTS"
+            " AND t.retired = 0 AND t.samples > 0 AND t.passes > 0 AND t.passes < t.samples AND NOT EXISTS"
             ' (SELECT 1 FROM "groups" g WHERE g.task_id = t.task_id AND g.state = \'issued\') ORDER BY t.task_id'
         )
         return [(r["task_id"], float(r["p"])) for r in rows]
@@ -304,36 +391,86 @@ class Registry:
 
     def _new_group(self, db: sqlite3.Connection, task_id: str, purpose: str, state: str,
                    eval_round: int | None, now: float, deadline: float | None, n: int | None = None,
-                   resample_of: str | None = None) -> tuple[str, Task]:
-        row = db.execute("SELECT payload, groups_issued FROM tasks WHERE task_id = ?", (task_id,)).fetchone()
-        task = Task.model_validate_json(row["payload"])
+                   resample_of: str | None = None) -> IssuedGroup:
+        row = db.execute("SELECT payload, groups_issued, domain FROM tasks WHERE task_id = ?", (task_id,)).fetchone()
         group_id = f"{task_id}:{row['groups_issued']}"
         if n is None:
-            n = task.samples_per_task if purpose == "train" else 1
+            n = self._samples(orjson.loads(row["payload"])) if purpose == "train" else 1
         db.execute(
             'INSERT INTO "groups" (group_id, task_id, purpose, attempt, n, eval_round, issued_at, deadline, state,'
-            " resample_of) VALUES (?, ?, ?, 1, ?, ?, ?, ?, ?, ?)",
+            " resample_of, domain) VALUES (?, ?, ?, 1, ?, ?, ?, ?, ?, ?, ?)",
             (group_id, task_id, purpose, n, eval_round, now if state == "issued" else None, deadline, state,
-             resample_of),
+             resample_of, row["domain"]),
         )
-        db.execute(
-            "UPDATE tasks SET groups_issued = groups_issued + 1,"
+        db.execute(  # a new random rank among the tasks with as many groups: a new order every epoch
+            "UPDATE tasks SET groups_issued = groups_issued + 1, rnd = ?,"
             " state = CASE WHEN split = 'train' THEN 'active' ELSE state END WHERE task_id = ?",
-            (task_id,),
+            (self._rng.random(), task_id),
         )
-        return group_id, task
+        for block in self._ahead.get(row["domain"], {}).values():  # it moves to the back of its domain's order
+            if block and block[0][0] == task_id:
+                del block[0]
+            elif any(b[0] == task_id for b in block):
+                block[:] = [b for b in block if b[0] != task_id]
+        return self._group(group_id, row["payload"], purpose, 1, n, eval_round, 0)
 
-    def issue_train_groups(self, task_ids: list[str], deadline_s: float) -> list[IssuedGroup]:
+    def _samples(self, task: dict[str, Any]) -> int:
+        """K of a training group of ``task`` (its stored JSON): its domain's ``samples_per_task``, else
+        the task's own."""
+        d = self._domains.get(task["domain"])
+        return (d.config.samples_per_task if d else None) or task["samples_per_task"]
+
+    def samples_of(self, task_id: str) -> int:
+        """K of the next training group of ``task_id`` (see :meth:`_samples`)."""
+        return self._samples(orjson.loads(self._one("SELECT payload FROM tasks WHERE task_id = ?", task_id)["payload"]))
+
+    def _group(self, gid: str, payload: str, purpose: str, attempt: int, n: int, eval_round: int | None,
+               mpv: int) -> IssuedGroup:
+        task = orjson.loads(payload)
+        d = self._domains.get(task["domain"])
+        pool = task.get("pool") or (d.config.pool if d else "default")
+        return IssuedGroup(gid, payload, purpose, attempt, n, eval_round, mpv, task["task_id"], task["domain"], pool,
+                           d.config.max_tokens if d else None)
+
+    def next_train_tasks(self, wanted: dict[str, tuple[int, int]]) -> dict[str, list[tuple[str, int, int]]]:
+        """The next training tasks of each domain at a level: ``{domain: (level, k)}`` →
+        ``{domain: [(task_id, samples, passes), ...]}``, up to k each, fewest groups first (ties in a
+        random order drawn anew at every issue), retired tasks left out.
+
+        Read ahead in blocks of at least :data:`_READ_AHEAD` per domain and level, kept in memory until a
+        write changes the domain's order (a registration, a retirement, a re-levelling); an issued task
+        leaves the block. ``samples``/``passes`` may lag by the rewards since the block was read.
+        """
+        out = {}
+        with self._lock:
+            for d, (level, k) in wanted.items():
+                block = self._ahead.get(d, {}).get(level)
+                if block is None or len(block) < k:
+                    rows = self._db.execute(
+                        "SELECT task_id, samples, passes FROM tasks WHERE domain = ? AND level = ? AND split = 'train'"
+                        " AND retired = 0 ORDER BY groups_issued, rnd LIMIT ?", (d, level, max(k, _READ_AHEAD))
+                    ).fetchall()
+                    block = [(r["task_id"], r["samples"], r["passes"]) for r in rows]
+                    self._ahead.setdefault(d, {})[level] = block
+                out[d] = block[:k]
+        return out
+
+    def _forget_order(self, domain: str) -> None:
+        """Drop the read-ahead blocks of ``domain`` (its order changed)."""
+        self._ahead.pop(domain, None)
+
+    def issue_train_groups(self, task_ids: list[str] | list[tuple[str, int]], deadline_s: float) -> list[IssuedGroup]:
         """Write one new ``issued`` training group per task id (one transaction), before it is sent.
 
-        Group ids are ``f"{task_id}:{seq}"`` with ``seq`` the task's count of groups so far.
+        Group ids are ``f"{task_id}:{seq}"`` with ``seq`` the task's count of groups so far. An entry
+        ``(task_id, n)`` sets the group's samples (``None`` or a bare id: :meth:`_samples`).
         """
         now = time.time()
         out = []
         with self._tx() as db:
-            for tid in task_ids:
-                gid, task = self._new_group(db, tid, "train", "issued", None, now, now + deadline_s)
-                out.append(IssuedGroup(gid, task, "train", 1, task.samples_per_task, None, 0))
+            for entry in task_ids:
+                tid, n = entry if isinstance(entry, tuple) else (entry, None)
+                out.append(self._new_group(db, tid, "train", "issued", None, now, now + deadline_s, n=n))
         return out
 
     def train_group_counts(self) -> tuple[int, int]:
@@ -400,7 +537,7 @@ class Registry:
         if row["eval_round"] is not None:
             r = db.execute("SELECT min_policy_version FROM eval_rounds WHERE id = ?", (row["eval_round"],)).fetchone()
             mpv = r["min_policy_version"] if r else 0
-        return IssuedGroup(row["group_id"], Task.model_validate_json(payload), row["purpose"], row["attempt"],
+        return self._group(row["group_id"], payload, row["purpose"], row["attempt"],
                            row["n"], row["eval_round"], mpv)
 
     def take_pending(self, deadline_s: float, limit: int = 1000) -> list[IssuedGroup]:
@@ -464,6 +601,11 @@ class Registry:
         so it is written even in a paused domain. One write per group, so a redelivered
         event never re-samples twice. The re-sample counts as one of the task's groups in the
         fewest-groups-first rotation.
+
+        Per domain, in the same transaction: every counted sample's cost goes to its domain's spend; a
+        scored training sample of the domain's current level feeds its curriculum window (and may move the
+        level); a completed group moves its task's lifecycle (retired, flagged). ``outcome.notes`` says
+        what changed.
         """
         nothing = RewardOutcome(False, False, False, False)
         with self._tx() as db:
@@ -493,23 +635,38 @@ class Registry:
                 (received, completed, ev.group_id),
             )
             scored = not ev.infra_error
+            notes = []
+            self._account(db, ev)
             if scored:
                 db.execute("UPDATE tasks SET samples = samples + 1, passes = passes + ? WHERE task_id = ?",
                            (int(ev.passed), ev.task_id))
+                if g["purpose"] == "train":
+                    t = db.execute("SELECT domain, level FROM tasks WHERE task_id = ?", (ev.task_id,)).fetchone()
+                    notes.append(self._curriculum(db, t["domain"], t["level"], ev.passed))
+            if completed:
+                notes.append(self._lifecycle(db, g, time.time()))
             resample = None
             if (completed and resample_wanted(g["n"], resample_n) and g["purpose"] == "train" and g["resample_of"] is None
                     and g["dropped"] is None):  # a dropped group's slot was already given to a new group
-                resample = self._resample_unsolved(db, g, resample_n)
-            return RewardOutcome(True, True, scored, completed, resample)
+                resample = self._resample_unsolved(db, g, self._resample_size(g["domain"], resample_n))
+        if g["domain"] is not None and g["purpose"] == "train":
+            self._refresh(g["domain"])  # its curriculum window moved
+        return RewardOutcome(True, True, scored, completed, resample, tuple(n for n in notes if n))
+
+    def _resample_size(self, domain: str | None, resample_n: int) -> int:
+        """Samples of a re-sample: ``budget.resample_unsolved``, or the domain's adaptive ``max`` when larger
+        (an unsolved task is the adaptive rule's case p = 0)."""
+        d = self._domains.get(domain) if domain else None
+        a = d.config.adaptive_samples if d else None
+        return max(resample_n, a.max) if a else resample_n
 
     def _resample_unsolved(self, db: sqlite3.Connection, g: sqlite3.Row, n: int) -> IssuedGroup | None:
         rows = db.execute("SELECT reward, passed, infra_error FROM rewards WHERE group_id = ? AND counted = 1",
                           (g["group_id"],))
         if not is_unsolved(SampleOutcome(r["reward"], bool(r["passed"]), bool(r["infra_error"])) for r in rows):
             return None
-        gid, task = self._new_group(db, g["task_id"], "train", "pending", None, time.time(), None, n=n,
-                                    resample_of=g["group_id"])
-        return IssuedGroup(gid, task, "train", 1, n, None, 0)
+        return self._new_group(db, g["task_id"], "train", "pending", None, time.time(), None, n=n,
+                               resample_of=g["group_id"])
 
     # ------------------------------------------------------------ eval rounds
 

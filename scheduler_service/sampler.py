@@ -29,16 +29,19 @@ import asyncio
 import logging
 import math
 import random
+import time
 
+import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from opentelemetry import trace
 
 from scheduler_service.config import SchedulerSettings
+from scheduler_service.issuing import IssuePlanner, TaskMaker
 from scheduler_service.registry import IssuedGroup, Registry
 from scheduler_service.stats import Stats
 from shared import topics
-from shared.kafka import commit_batch, decode_or_dead_letter, make_consumer, send
-from shared.schemas import GroupDropped, Metrics, RewardEvent, RolloutRequest, SamplingParams, WeightUpdate
+from shared.kafka import commit_batch, decode_or_dead_letter, ensure_topics, make_consumer, send
+from shared.schemas import GroupDropped, Metrics, RewardEvent, RolloutRequest, SamplingParams, Task, WeightUpdate
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,17 @@ def training_budget(policy_version: int, batch_groups: int, max_staleness: int, 
     total_cap = min(policy_version + max_staleness + 1, max_steps) * batch_groups
     flight_cap = (max_staleness + 1) * batch_groups
     return max(0, min(total_cap - issued, flight_cap - in_flight))
+
+
+class SplicedRequest:
+    """An encoded RolloutRequest (what :func:`shared.kafka.send` needs of a record: ``encode()``)."""
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+
+    def encode(self) -> bytes:
+        """The record's bytes."""
+        return self.raw
 
 
 class Sampler:
@@ -74,15 +88,30 @@ class Sampler:
         self.producer = producer
         self.stats = stats
         self.rng = random.Random(self.cfg.scheduler.seed)
+        self.planner = IssuePlanner(config, registry)
+        self.maker = TaskMaker(config, registry)
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._making: asyncio.Task | None = None
+        self._starved_at = 0.0
+        self._topics: set[str] = {topics.ROLLOUT_REQUESTS}
         self.name = "scheduler"
 
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Start the loops in the background (returns at once)."""
+        """Make the generator domains' first tasks (so round 0 evaluates their held-out sets), then start
+        the loops in the background."""
         self._stop.clear()
+        first = {d for d, r in self.registry.domain_rows().items() if r.config.generator}
+        if first:
+            live = self.registry.next_train_tasks({d: (self.registry.domain(d).config.level, 1) for d in first})
+            t0 = time.monotonic()
+            made = await self.maker.run_needed({d for d, c in live.items() if not c})
+            if made:
+                log.info("made %d tasks of %d generator domains in %.1f s", len(made), len(first),
+                         time.monotonic() - t0)
+                await self._publish_tasks(made)
         self._task = asyncio.create_task(self._run(), name="scheduler-sampler")
 
     async def stop(self, timeout_s: float = 10.0) -> None:
@@ -148,6 +177,39 @@ class Sampler:
             await self._send(pending)
         if self.training_allowed():
             await self._issue_training()
+        self._make_tasks()
+
+    def _make_tasks(self) -> None:
+        """Start one background pass of :class:`TaskMaker` when a generator domain needs tasks."""
+        if self._making is not None and not self._making.done():
+            return
+        now = time.monotonic()
+        if now - self._starved_at < 1.0:
+            return
+        self._starved_at = now
+        rows = {d: r for d, r in self.registry.domain_rows().items() if r.config.generator and r.issuable}
+        live = self.registry.next_train_tasks({d: (r.config.level, 1) for d, r in rows.items()})
+        starved = {d for d, c in live.items() if not c}
+        if not any(self.maker.needs(r, d in starved) for d, r in rows.items()):
+            return
+
+        async def make() -> None:
+            try:
+                await self._publish_tasks(await self.maker.run_needed(starved))
+            except Exception:
+                log.exception("making generator tasks failed")
+
+        self._making = asyncio.create_task(make(), name="scheduler-task-maker")
+
+    async def _publish_tasks(self, tasks: list[Task]) -> None:
+        """Publish newly made tasks on flywheel.tasks (best-effort: the registry holds them)."""
+        try:
+            futs = [await send(self.producer, topics.TASKS, t, key=t.task_id) for t in tasks]
+            await asyncio.gather(*futs)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("publishing %d generated tasks failed: %r", len(tasks), e)
 
     def training_allowed(self) -> bool:
         """False while the pre-training evaluation (round 0) is outstanding.
@@ -193,14 +255,10 @@ class Sampler:
                 groups = self.registry.issue_train_groups(replay, self.cfg.scheduler.group_deadline_s)
                 budget -= len(groups)
                 await self._send(groups)
-        while budget > 0 and not self._stop.is_set():
-            ids = self.registry.least_issued_train_tasks()
-            if not ids:
-                return
-            self.rng.shuffle(ids)
-            groups = self.registry.issue_train_groups(ids[:budget], self.cfg.scheduler.group_deadline_s)
-            budget -= len(groups)
-            await self._send(groups)
+        if budget > 0 and not self._stop.is_set():
+            picks = self.planner.plan(budget)
+            if picks:
+                await self._send(self.registry.issue_train_groups(picks, self.cfg.scheduler.group_deadline_s))
 
     def _learnable(self, budget: int) -> list[str]:
         """Up to ``replay_fraction · budget`` (stochastically rounded) partly solved tasks, drawn
@@ -213,12 +271,17 @@ class Sampler:
             picks.append(cands.pop(i)[0])
         return picks
 
-    def _request(self, g: IssuedGroup) -> RolloutRequest:
+    def _request(self, g: IssuedGroup) -> "SplicedRequest":
+        """The RolloutRequest of ``g`` with the task's stored JSON spliced in as is (it was validated when
+        registered; re-validating 2K + 3 times per group is what issue 20 measured)."""
         sc = self.cfg.scheduler
         greedy = g.purpose == "eval"
-        sampling = SamplingParams(max_new_tokens=sc.max_tokens, temperature=0.0 if greedy else sc.temperature)
-        return RolloutRequest(group_id=g.group_id, task=g.task, n=g.n, sampling=sampling, purpose=g.purpose,
-                              attempt=g.attempt, min_policy_version=g.min_policy_version, eval_round=g.eval_round)
+        sampling = SamplingParams(max_new_tokens=g.max_tokens or sc.max_tokens,
+                                  temperature=0.0 if greedy else sc.temperature)
+        head = {"schema": RolloutRequest.SCHEMA, "schema_version": RolloutRequest.VERSION, "group_id": g.group_id,
+                "n": g.n, "sampling": sampling.model_dump(mode="json"), "purpose": g.purpose, "attempt": g.attempt,
+                "min_policy_version": g.min_policy_version, "eval_round": g.eval_round, "issued_at": time.time()}
+        return SplicedRequest(orjson.dumps(head)[:-1] + b',"task":' + g.payload.encode() + b"}")
 
     async def _send(self, groups: list[IssuedGroup]) -> None:
         """Send requests whose rows are written and wait for every ack.
@@ -228,11 +291,15 @@ class Sampler:
         """
         producer = self.producer
         tracer = trace.get_tracer("scheduler")
+        new = {topics.rollout_requests(g.pool) for g in groups} - self._topics
+        if new:  # a pool named for the first time: its topic, with the partitions of the default one
+            await ensure_topics(self.cfg.kafka, sorted(new))
+            self._topics |= new
         futs = []
         for g in groups:  # one trace per group: rollout, verifier and trainer continue it via record headers
             with tracer.start_as_current_span("issue_group", attributes={"group_id": g.group_id,
                                                                          "purpose": g.purpose, "attempt": g.attempt}):
-                futs.append(await send(producer, topics.ROLLOUT_REQUESTS, self._request(g), key=g.group_id))
+                futs.append(await send(producer, topics.rollout_requests(g.pool), self._request(g), key=g.group_id))
         await asyncio.gather(*futs)
         for g in groups:
             log.info("issued group %s (%s, attempt %d, n=%d)", g.group_id, g.purpose, g.attempt, g.n)
@@ -301,6 +368,8 @@ class Sampler:
         self.stats.on_reward(ev, outcome, self.registry.policy_version)
         if outcome.completed:
             log.info("group %s complete", ev.group_id)
+        for note in outcome.notes:
+            log.info("%s", note)
         if outcome.resample is not None:  # written pending: the issue loop sends it on its next pass
             log.info("group %s unsolved: re-sampling task %s with %d samples as %s", ev.group_id, ev.task_id,
                      outcome.resample.n, outcome.resample.group_id)

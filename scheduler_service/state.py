@@ -43,14 +43,19 @@ class SchedulerState:
         self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        """Create topics, start the producer and the sampler (when ``kafka``).
+        """Apply the config's ``domains`` to the registry; create topics (the default ones and each
+        configured pool's), start the producer and the sampler (when ``kafka``).
 
         Raises:
             aiokafka.errors.KafkaError: the broker cannot be reached.
         """
+        applied = await asyncio.to_thread(self.registry.apply_configured, self.config.domains)
+        if applied:
+            log.info("applied the config of %d domains: %s", len(applied), ", ".join(applied[:10]))
         if not self.kafka:
             return
-        await ensure_topics(self.config.kafka)
+        pools = {topics.rollout_requests(d.pool) for d in self.config.domains.values()}
+        await ensure_topics(self.config.kafka, sorted(set(topics.ALL) | pools))
         self.producer = make_producer(self.config.kafka, client_id="scheduler")
         await self.producer.start()
         self.sampler = Sampler(self.config, self.registry, self.producer, self.stats)

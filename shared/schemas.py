@@ -11,12 +11,29 @@ import time
 from typing import Any, ClassVar, Literal, TypeVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from shared.jsoncheck import MAX_JSON_DEPTH, check_json as _check_json  # noqa: F401 - re-exported
+from shared.jsoncheck import MAX_JSON_DEPTH  # noqa: F401 - re-exported
+from shared.jsoncheck import check_json as _check_json
+from shared.topics import POOL_PATTERN
 from shared.verifier_specs import (  # noqa: F401 - re-exported: the task schema's verifier specs
-    ExactSpec, GeometrySpec, JsonFieldsSpec, MathSpec, NumericSpec, ReasoningGymSpec, Recipe, RegexSpec,
-    UnitTestsSpec, VerifierSpec,
+    ExactSpec,
+    GeometrySpec,
+    JsonFieldsSpec,
+    MathSpec,
+    NumericSpec,
+    ReasoningGymSpec,
+    Recipe,
+    RegexSpec,
+    UnitTestsSpec,
+    VerifierSpec,
 )
 
 # ---------------------------------------------------------------- task-level pieces
@@ -133,6 +150,9 @@ class TaskBody(BaseModel):
     """Tool names the model may call."""
     metadata: dict[str, Any] = Field(default_factory=dict)
     """Free-form metadata carried with the task (at most 32 levels deep)."""
+    pool: str | None = Field(None, pattern=POOL_PATTERN)
+    """Rollout pool whose replicas generate this task (``None``: its domain's pool, see
+    ``shared.topics.rollout_requests``)."""
 
     @field_validator("metadata")
     @classmethod
@@ -305,6 +325,10 @@ class RewardEvent(Record):
     completion_tokens: int
     finish_reason: str
     policy_version: int
+    cost: dict[str, float] = Field(default_factory=dict)
+    """What the sample cost, for the per-domain budgets: the trajectory's ``cost`` (``generated_tokens``,
+    ``tool_rounds``, ``tool_seconds``) plus the verifier's ``sandbox_seconds`` (unit tests),
+    ``judge_calls`` and ``verify_seconds``. Missing keys count 0."""
 
 
 class TensorInfo(BaseModel):

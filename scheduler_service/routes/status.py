@@ -1,6 +1,6 @@
 """``/v1/status``, ``/v1/metrics/history`` and ``/healthz``."""
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter
 
 from scheduler_service.deps import StateDep
 from scheduler_service.models import EvalRoundPublic, MetricsRecord, Staleness, StatusPublic
@@ -31,20 +31,30 @@ def get_status(state: StateDep) -> StatusPublic:
         trainer=last["values"] if last else {},
         trainer_step=last["step"] if last else None,
         evals=[EvalRoundPublic(**r) for r in reg.eval_rounds()],
+        cost=_cost_totals(reg.spend()),
+        domains=_domain_counts(state),
         paused_domains={d: v["reason"] for d, v in reg.paused_domains().items()},
     )
 
 
-@router.post("/v1/domains/{domain}/resume")
-def resume_domain(domain: str, state: StateDep) -> dict[str, str]:
-    """Issue a paused domain's training groups again (after its tasks were fixed).
+def _cost_totals(spend: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Spend summed over domains, per purpose."""
+    out: dict[str, dict[str, float]] = {}
+    for per in spend.values():
+        for purpose, vals in per.items():
+            tot = out.setdefault(purpose, {})
+            for k, v in vals.items():
+                tot[k] = tot.get(k, 0.0) + v
+    return out
 
-    Raises:
-        HTTPException: 404 when the domain is not paused.
-    """
-    if not state.registry.resume_domain(domain):
-        raise HTTPException(404, f"domain {domain!r} is not paused")
-    return {"domain": domain, "state": "resumed"}
+
+def _domain_counts(state) -> dict[str, int]:
+    from scheduler_service.routes.domains import domain_views
+
+    out: dict[str, int] = {}
+    for v in domain_views(state):
+        out[v.status] = out.get(v.status, 0) + 1
+    return out
 
 
 @router.get("/v1/metrics/history", response_model=list[MetricsRecord])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from contextlib import asynccontextmanager
 
 import httpx
@@ -50,9 +51,13 @@ def running():
     return run
 
 
+_SEQ = itertools.count()
+
+
 def task_body(task_id: str | None = None, **kw) -> dict:
-    """A valid TaskCreate body (regex verifier, K = 2)."""
-    body = {"domain": "toy", "prompt": [{"role": "user", "content": "say a"}],
+    """A valid TaskCreate body (regex verifier, K = 2). The prompt names ``task_id`` (or a fresh number), so
+    bodies of distinct ids differ (the registry stores a task with another's content once, as a duplicate)."""
+    body = {"domain": "toy", "prompt": [{"role": "user", "content": f"say a ({task_id or next(_SEQ)})"}],
             "verifier": {"kind": "regex", "pattern": "^a"}, "samples_per_task": 2}
     if task_id is not None:
         body["task_id"] = task_id

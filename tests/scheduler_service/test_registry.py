@@ -13,7 +13,7 @@ from shared.schemas import RewardEvent, Task
 
 
 def _task(tid: str, split: str = "train", k: int = 2) -> Task:
-    return Task(task_id=tid, domain="toy", prompt=[{"role": "user", "content": "x"}],
+    return Task(task_id=tid, domain="toy", prompt=[{"role": "user", "content": f"x {tid}"}],
                 verifier={"kind": "exact", "answer": "a"}, samples_per_task=k, split=split)
 
 

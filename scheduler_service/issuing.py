@@ -1,0 +1,220 @@
+"""Which training tasks get the next groups: the mix over domains, then the task within a domain.
+
+One :meth:`IssuePlanner.plan` call makes the decisions of one sampler pass: the issuable domains
+(active, not paused, weight > 0, under budget, with a live task at their level) share the pass's groups
+by :class:`scheduler_service.mix.StrideMix`; within a domain the task with the fewest groups goes first
+(ties in a random order drawn anew at every issue, so every epoch differs); the group's samples come
+from the domain (``samples_per_task``, ``adaptive_samples``) or the task. Generator domains whose level
+has no live task left are reported in :attr:`IssuePlanner.starved` so :class:`TaskMaker` can make some.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+from scheduler_service.config import SchedulerSettings
+from scheduler_service.domains import COST_KEYS, DomainRow, samples_for
+from scheduler_service.generate import make_tasks
+from scheduler_service.mix import StrideMix
+from scheduler_service.registry import Registry
+from shared.schemas import Task
+
+log = logging.getLogger(__name__)
+
+_BUDGET_KEYS = ("samples",) + COST_KEYS
+_SPEND_EVERY_S = 1.0
+
+
+@dataclass
+class DomainView:
+    """What one pass knows of a domain's spend: training spend, samples in flight, cost per group."""
+
+    spent: dict[str, float] = field(default_factory=dict)
+    in_flight_samples: int = 0
+    seconds_per_group: float | None = None
+
+
+class IssuePlanner:
+    """Mix and task choice of one scheduler process (in memory; rebuilt from the registry on restart).
+
+    Args:
+        config: the scheduler's settings (``scheduler.issue_order``, ``scheduler.cost_lookahead``).
+        registry: the opened registry.
+    """
+
+    def __init__(self, config: SchedulerSettings, registry: Registry) -> None:
+        self.cfg = config
+        self.registry = registry
+        self.mix = StrideMix(config.scheduler.cost_lookahead)
+        self.starved: set[str] = set()
+        """Issuable domains with no live training task at their level in the last pass."""
+        self.over_budget: dict[str, str] = {}
+        """Domains stopped by a budget cap, with the cap that binds."""
+        self.room: dict[str, float] = {}
+        """Training samples each capped domain may still be issued in this pass."""
+        self._views: dict[str, DomainView] = {}
+        self._views_at = 0.0
+
+    def views(self, fresh: bool = False) -> dict[str, DomainView]:
+        """Per-domain spend and cost per group (re-read at most once a second unless ``fresh``)."""
+        if fresh or time.monotonic() - self._views_at > _SPEND_EVERY_S:
+            spend = self.registry.spend()
+            flight = self.registry.in_flight_by_domain()
+            views = {}
+            for d in set(spend) | set(flight):
+                tr = spend.get(d, {}).get("train", {})
+                groups = tr.get("groups", 0)
+                views[d] = DomainView({k: tr.get(k, 0.0) for k in _BUDGET_KEYS}, flight.get(d, (0, 0))[1],
+                                      tr["group_seconds"] / groups if groups else None)
+            self._views, self._views_at = views, time.monotonic()
+        return self._views
+
+    def _room(self, row: DomainRow, view: DomainView | None) -> tuple[float, str | None]:
+        """Training samples ``row`` may still be issued under its caps (spent plus in-flight samples at
+        the cost per sample so far), and the cap that binds first (``inf, None`` without caps)."""
+        caps = row.config.budget.model_dump(exclude_none=True)
+        view = view or DomainView()
+        samples = view.spent.get("samples", 0.0)
+        room, why = float("inf"), None
+        for key, cap in caps.items():
+            spent = view.spent.get(key, 0.0) + (view.spent.get("tool_seconds", 0.0) if key == "sandbox_seconds" else 0.0)
+            per_sample = 1.0 if key == "samples" else (spent / samples if samples else 0.0)
+            left = (cap - spent) / per_sample - view.in_flight_samples if per_sample > 0 else (
+                float("inf") if spent < cap else 0.0)
+            if left < room:
+                room, why = left, f"{key} {spent:g} of {cap:g}"
+        return room, why
+
+    def issuable(self) -> dict[str, DomainRow]:
+        """Domains that may get training groups now: active, not paused, weight > 0, under budget
+        (:attr:`room` holds the samples each capped one may still get)."""
+        rows = {d: r for d, r in self.registry.domain_rows().items() if r.issuable}
+        capped = [r for r in rows.values() if r.config.budget.model_dump(exclude_none=True)]
+        self.over_budget, self.room = {}, {}
+        if capped:
+            views = self.views(fresh=True)
+            for r in capped:
+                room, why = self._room(r, views.get(r.name))
+                if room <= 0:
+                    self.over_budget[r.name] = why
+                    del rows[r.name]
+                else:
+                    self.room[r.name] = room
+        return rows
+
+    def plan(self, budget: int) -> list[tuple[str, int | None]]:
+        """Up to ``budget`` ``(task_id, samples or None)`` for new training groups, in issue order.
+
+        A domain's next tasks are read when the mix first picks it in the pass (fewest groups first);
+        fewer picks come back when the issuable domains run out of live tasks, and :attr:`starved` names
+        those that did.
+        """
+        rows = self.issuable()
+        self.starved = set()
+        if budget <= 0 or not rows:
+            return []
+        weights = {d: r.config.weight for d, r in rows.items()}
+        self.mix.set_weights(weights)
+        self.mix.start(rows)
+        total = sum(weights.values())
+        cost = self._costs(set(rows)) if self.cfg.scheduler.issue_order == "cost" else None
+        slack = 2 + (self.cfg.scheduler.cost_lookahead if cost else 0)
+        cands: dict[str, list[tuple[str, int, int]]] = {}
+        picks: list[tuple[str, int | None]] = []
+        while len(picks) < budget:
+            d = self.mix.choose(cost=cost)
+            if d is None:
+                break
+            if d not in cands:  # first pick of d in this pass: its share of the pass, and a little more
+                k = math.ceil((budget - len(picks)) * weights[d] / total) + slack
+                cands[d] = self.registry.next_train_tasks({d: (rows[d].config.level, k)})[d]
+            if not cands[d]:
+                self.starved.add(d)
+                self.mix.drop(d)
+                continue
+            self.mix.take(d)
+            tid, samples, passes = cands[d].pop(0)
+            adaptive = rows[d].config.adaptive_samples
+            n = samples_for(samples, passes, adaptive) if adaptive else None
+            picks.append((tid, n))
+            if d in self.room:  # a capped domain: its group's samples come off what it may still get
+                self.room[d] -= n or self.registry.samples_of(tid)
+            if not cands[d] or self.room.get(d, 1.0) <= 0:
+                self.mix.drop(d)
+        return picks
+
+    def _costs(self, domains: set[str]) -> dict[str, float] | None:
+        """Expected wall seconds of one group per domain; a domain not measured yet counts as the mean of
+        the measured ones. ``None`` while nothing is measured (then strict stride order)."""
+        views = self.views()
+        known = {d: views[d].seconds_per_group for d in domains if d in views and views[d].seconds_per_group}
+        if not known:
+            return None
+        mean = sum(known.values()) / len(known)
+        return {d: known.get(d, mean) for d in domains}
+
+
+class TaskMaker:
+    """Makes the tasks of generator domains: ``eval_size`` held-out tasks once, and ``tasks_per_level``
+    training tasks at a level when the domain has no live task there. Generation runs in a worker thread,
+    one domain at a time; new tasks are registered (at their level) and returned for publishing.
+
+    Args:
+        config: the scheduler's settings (``scheduler.seed`` seeds the batches).
+        registry: the opened registry.
+    """
+
+    def __init__(self, config: SchedulerSettings, registry: Registry) -> None:
+        self.cfg = config
+        self.registry = registry
+        self.failed: dict[str, str] = {}
+        """Domains whose generator failed, with the error (retried when their config changes)."""
+
+    def needs(self, row: DomainRow, starved: bool) -> list[tuple[str, int]]:
+        """``(split, level)`` batches ``row`` needs now: its held-out set when not made yet, and training
+        tasks at its level when ``starved`` (no live task) and the generator has not run dry there."""
+        c = row.config
+        if c.generator is None or self.failed.get(row.name) == row.config.model_dump_json():
+            return []
+        out = []
+        if c.eval_size and f"eval:{c.eval_level}" not in row.batches:
+            out.append(("eval", c.eval_level))
+        if starved and row.batches.get(f"train:{c.level}", 0) >= 0:
+            out.append(("train", c.level))
+        return out
+
+    def make(self, row: DomainRow, split: str, level: int) -> list[Task]:
+        """Generate and register one batch (blocking: call in a thread). Returns the tasks stored now.
+
+        A batch that adds nothing new marks the level dry (no more batches there); a generator error is
+        logged and remembered in :attr:`failed` until the domain's config changes.
+        """
+        c = row.config
+        key = f"{split}:{level}"
+        batch = max(row.batches.get(key, 0), 0)
+        n = c.eval_size if split == "eval" else c.tasks_per_level
+        try:
+            tasks = make_tasks(row.name, c, level, n, split, batch, self.cfg.scheduler.seed)
+        except ValueError as e:
+            log.error("domain %s: %s", row.name, e)
+            self.failed[row.name] = c.model_dump_json()
+            return []
+        reg = self.registry.register(tasks, level=level)
+        self.registry.record_batch(row.name, key, len(reg.new))
+        log.info("domain %s: generated %d %s tasks at level %d (%d new, %d duplicates)", row.name, len(tasks),
+                 split, level, len(reg.new), len(reg.duplicates))
+        return reg.new
+
+    async def run_needed(self, starved: set[str]) -> list[Task]:
+        """Every batch the issuable-or-evaluated domains need now (see :meth:`needs`), in a thread."""
+        out: list[Task] = []
+        for row in self.registry.domain_rows().values():
+            if row.config.state == "retired":
+                continue
+            for split, level in self.needs(row, row.name in starved):
+                out += await asyncio.to_thread(self.make, row, split, level)
+        return out
