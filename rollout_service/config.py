@@ -5,6 +5,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared.config import Settings, WeightsConfig
+from shared.topics import DEFAULT_POOL, POOL_PATTERN
 
 
 class RolloutConfig(BaseModel):
@@ -12,6 +13,12 @@ class RolloutConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    pool: str = Field(DEFAULT_POOL, pattern=POOL_PATTERN)
+    """The rollout pool whose requests this replica serves: it consumes only
+    ``shared.topics.rollout_requests(pool)`` (``flywheel.rollout.requests`` for ``default``, else
+    ``flywheel.rollout.requests.<pool>``), in consumer group ``rollout`` (default pool) or
+    ``rollout-<pool>``. E.g. a ``long`` pool of replicas with a larger ``max_trajectory_tokens`` for
+    long multi-turn domains (the scheduler's ``domains.<d>.pool`` routes them there)."""
     engine: Literal["torch", "sglang"] = "torch"
     """Generation backend: ``torch`` (in-process transformers, CPU default) or ``sglang`` (HTTP server)."""
     sglang_url: str = "http://127.0.0.1:30000"

@@ -10,6 +10,7 @@ the request's trace context), waits for every ack, and counts them in :class:`Ro
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +92,27 @@ class RolloutStats:
     tool_seconds: float = 0.0
     publish_to_first_token_s: float | None = None
     """Seconds from the announcement of the newest version to the first batch generated with it."""
+    busy_s: float = 0.0
+    """Seconds the engine spent generating (holding the :class:`rollout_service.engine.EngineGate`)."""
+    started: float | None = None
+    """``time.perf_counter()`` when the service started taking requests (:meth:`start`)."""
+
+    def start(self) -> None:
+        """Mark now as the start of ``rollout/wall_s``."""
+        self.started = time.perf_counter()
+
+    def add_busy(self, seconds: float) -> None:
+        """Count ``seconds`` of engine time (the gate's ``on_busy``)."""
+        self.busy_s += seconds
+
+    def utilisation(self) -> dict[str, float]:
+        """``rollout/busy_s``, ``rollout/wall_s`` (seconds since :meth:`start`) and ``rollout/idle_fraction``
+        = 1 − busy / wall, clipped to [0, 1] (0 while no time has passed); empty before :meth:`start`."""
+        if self.started is None:
+            return {}
+        wall = time.perf_counter() - self.started
+        idle = min(1.0, max(0.0, 1.0 - self.busy_s / wall)) if wall > 0 else 0.0
+        return {"rollout/busy_s": self.busy_s, "rollout/wall_s": wall, "rollout/idle_fraction": idle}
 
     def add(self, c: Completion) -> None:
         """Count one published completion."""
@@ -101,12 +123,14 @@ class RolloutStats:
 
     def metrics(self, policy_version: int) -> dict[str, float]:
         """The ``rollout/*`` metric values: totals, throughput (generated tokens per generation second),
-        the engine's ``policy_version`` and the running cost per sample (call once ``samples > 0``)."""
+        the engine's ``policy_version``, the running cost per sample (call once ``samples > 0``) and the
+        engine's utilisation (:meth:`utilisation`)."""
         n = max(self.samples, 1.0)
         vals = {"rollout/samples": self.samples, "rollout/tokens": self.tokens, "rollout/generate_s": self.generate_s,
                 "rollout/tool_rounds": self.tool_rounds, "rollout/tool_seconds": self.tool_seconds}
         if self.publish_to_first_token_s is not None:
             vals["rollout/publish_to_first_token_s"] = self.publish_to_first_token_s
+        vals.update(self.utilisation())
         return dict(vals, **{"rollout/tokens_per_s": self.tokens / max(self.generate_s, 1e-9),
                              "rollout/policy_version": float(policy_version),
                              # running cost per sample: the inference line of a training budget

@@ -5,6 +5,9 @@
 from __future__ import annotations
 
 import abc
+import asyncio
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.schemas import SamplingParams, VersionSpan, WeightUpdate
@@ -89,3 +92,57 @@ class Engine(abc.ABC):
 
     def close(self) -> None:
         """Release resources (default: nothing)."""
+
+
+class EngineGate:
+    """The one way the service's coroutines call :meth:`Engine.generate`: in a worker thread, one call
+    at a time (an asyncio lock, first come first served), with the engine's busy time measured.
+
+    Engines are not safe for concurrent ``generate`` calls from two threads; with the gate the plain
+    path and every tool loop of a batch share the engine, and one of them generates while the others
+    wait on the sandbox. ``busy_s`` is the total of seconds spent holding the lock inside ``generate``
+    (waiting for the lock not counted), also reported to ``on_busy``.
+    """
+
+    def __init__(self, engine: Engine, on_busy: Callable[[float], None] | None = None) -> None:
+        self.engine = engine
+        self.on_busy = on_busy
+        """Called with the seconds of every finished call (e.g. ``RolloutStats.add_busy``)."""
+        self.busy_s = 0.0
+        """Seconds the engine spent in ``generate`` through this gate (monotonic clock)."""
+        self._lock = asyncio.Lock()
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
+        """``engine.generate(requests)`` in a worker thread once no other call through the gate runs.
+
+        Raises:
+            whatever ``engine.generate`` raises.
+        """
+        return (await self.generate_timed(requests))[0]
+
+    async def generate_timed(self, requests: list[GenerationRequest]) -> tuple[list[list[Sample]], float]:
+        """As :meth:`generate`, with the seconds this call held the engine (waiting for it not counted).
+
+        The lock is held until the thread returns, even when the caller is cancelled meanwhile (a
+        running generation cannot be stopped from here), so two generations never overlap.
+
+        Raises:
+            whatever ``engine.generate`` raises.
+        """
+        await self._lock.acquire()
+        t0 = time.perf_counter()
+        held = [0.0]
+        call = asyncio.ensure_future(asyncio.to_thread(self.engine.generate, requests))
+
+        def release(done: asyncio.Future) -> None:  # runs before the caller resumes (registered first)
+            held[0] = time.perf_counter() - t0
+            self._lock.release()
+            self.busy_s += held[0]
+            if self.on_busy is not None:
+                self.on_busy(held[0])
+            if not done.cancelled():
+                done.exception()  # retrieved here too: a cancelled caller never reads it
+
+        call.add_done_callback(release)
+        samples = await asyncio.shield(call)
+        return samples, held[0]

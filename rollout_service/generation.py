@@ -1,8 +1,11 @@
 """Generation of one batch of rollout requests, plain and multi-turn, published through one emit path.
 
 A request whose task names ``tools`` and allows ``max_turns > 1`` runs the tool loop
-(rollout_service/tool_loop.py), one concurrent loop per request, so one group's tool calls overlap
-another's generation; the other requests are generated together in one engine call. Both end in
+(rollout_service/tool_loop.py), one concurrent loop per request; the other requests are generated
+together in one engine call, concurrently with the tool loops. Every engine call goes through the
+one :class:`rollout_service.engine.EngineGate` (one generation at a time, busy time measured), so
+while a tool group waits on the sandbox the engine generates the plain groups or another tool group's
+turn instead of standing idle. Each group is published as soon as it is done, through
 :func:`rollout_service.emit.publish`. A plain prompt that cannot fit the engine's context (prompt +
 ``max_new_tokens`` > ``engine.max_context``) is refused, not generated: its samples are ``error``
 samples, which the verifier flags and the trainer never trains.
@@ -13,14 +16,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
 from rollout_service.batching import Batch, Headers
 from rollout_service.emit import Completion, Group, RolloutStats, publish
-from rollout_service.engine import Engine, GenerationRequest, Sample
+from rollout_service.engine import Engine, EngineGate, GenerationRequest, Sample
 from rollout_service.tool_loop import ToolRunner, run_tool_loop
 from shared.model import encode_chat
 from shared.schemas import RolloutRequest, VersionSpan
@@ -45,7 +48,8 @@ def uses_tools(r: RolloutRequest) -> bool:
 class BatchGenerator:
     """What a batch needs, built once per service run: the engine and its tokenizer, the producer the
     trajectories go to, the one :class:`ToolRunner` (closed by the service at shutdown), the running
-    stats, the ``model.system_prompt`` and the tool loop's ``rollout.max_trajectory_tokens`` budget."""
+    stats, the ``model.system_prompt`` and the tool loop's ``rollout.max_trajectory_tokens`` budget.
+    ``gate`` (made here) serialises every engine call and adds its seconds to ``stats.busy_s``."""
 
     engine: Engine
     tokenizer: Any
@@ -54,21 +58,39 @@ class BatchGenerator:
     stats: RolloutStats
     system_prompt: str | None = None
     max_trajectory_tokens: int = 1024
+    gate: EngineGate = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.gate = EngineGate(self.engine, on_busy=self.stats.add_busy)
 
     def encode(self, r: RolloutRequest) -> list[int]:
         """The prompt ids of ``r`` (chat template + generation prompt)."""
         return encode_chat(self.tokenizer, prompt_messages(r, self.system_prompt))
 
     async def run(self, batch: Batch) -> None:
-        """Generate every request of ``batch`` and publish its trajectories (acks awaited): the tool
-        groups first, then the plain ones."""
+        """Generate every request of ``batch`` and publish its trajectories (acks awaited), the tool
+        groups and the plain ones concurrently; returns when every group is published.
+
+        The tool groups' first turns are first in line for the engine, then the plain groups' one call,
+        so the plain groups generate while the tool groups wait on the sandbox; later turns queue behind.
+
+        Raises:
+            the first error of any group (aiokafka.errors.KafkaError: a trajectory was not acknowledged);
+            the other groups are cancelled then, and nothing of the batch is committed.
+        """
         pairs = list(zip(batch.requests, batch.headers))
-        tool_groups = [(r, h) for r, h in pairs if uses_tools(r)]
+        jobs = [self._tool_group(r, h) for r, h in pairs if uses_tools(r)]
         plain = [(r, h) for r, h in pairs if not uses_tools(r)]
-        if tool_groups:
-            await asyncio.gather(*(self._tool_group(r, h) for r, h in tool_groups))
         if plain:
-            await self._plain([r for r, _ in plain], [h for _, h in plain])
+            jobs.append(self._plain([r for r, _ in plain], [h for _, h in plain]))
+        tasks = [asyncio.ensure_future(j) for j in jobs]  # in this order: the gate's lock is first come first served
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     async def _plain(self, reqs: list[RolloutRequest], headers: list[Headers]) -> None:
         """One engine call for every request whose prompt fits the context; error samples for the others."""
@@ -78,9 +100,8 @@ class BatchGenerator:
         fits = [engine.max_context is None or len(p) + r.sampling.max_new_tokens <= engine.max_context
                 for p, r in zip(prompts, reqs)]
         gens = [GenerationRequest(p, r.n, r.sampling) for p, r, ok in zip(prompts, reqs, fits) if ok]
-        t0 = time.perf_counter()
-        generated = iter(await asyncio.to_thread(engine.generate, gens) if gens else [])
-        gen_s = time.perf_counter() - t0
+        outs, gen_s = await self.gate.generate_timed(gens) if gens else ([], 0.0)  # gen_s: engine seconds
+        generated = iter(outs)
         groups = []
         for r, h, p, ok in zip(reqs, headers, prompts, fits):
             samples = next(generated) if ok else self._refused(r, len(p))
@@ -103,7 +124,7 @@ class BatchGenerator:
         """The multi-turn loop for one request (``r.n`` trajectories), then its trajectories."""
         picked, t0 = time.time(), time.perf_counter()
         prompt = self.encode(r)
-        rollouts = await run_tool_loop(self.engine, self.tokenizer, self.tools, r.task, prompt, r.n, r.sampling,
+        rollouts = await run_tool_loop(self.gate, self.tokenizer, self.tools, r.task, prompt, r.n, r.sampling,
                                        self.max_trajectory_tokens)
         timings = {"queue": max(0.0, picked - r.issued_at), "generate": time.perf_counter() - t0}
         version = self.engine.policy_version

@@ -1,12 +1,17 @@
 """Rollout service: turn rollout requests into trajectories with the newest policy available.
 
+A replica serves one rollout pool (``rollout.pool``): it consumes only the pool's request topic,
+``shared.topics.rollout_requests(pool)``, in consumer group ``rollout`` (the default pool) or
+``rollout-<pool>``, so replicas of one pool share its requests and never take another pool's.
+
 Loop: take a batch of at most ``max_batch_requests`` requests / ``max_batch_samples`` samples
 (rollout_service/batching.py; the rest stay in Kafka for other replicas) → apply the newest announced
 weight version (between batches only; rollout_service/weights.py) → wait until the engine's version
-reaches every request's ``min_policy_version`` → generate in a worker thread, plain or through the tool
-loop (rollout_service/generation.py) → produce one Trajectory per sample and await the acks
-(rollout_service/emit.py) → commit. Every 10 s (once a sample was produced) the running ``rollout/*``
-and ``weights/broadcast_*`` metrics go to flywheel.metrics.
+reaches every request's ``min_policy_version`` → generate in a worker thread, plain and through the tool
+loop concurrently, one engine call at a time (rollout_service/generation.py) → produce one Trajectory
+per sample and await the acks (rollout_service/emit.py) → commit. Every 10 s (once a sample was
+produced) the running ``rollout/*`` (engine utilisation included: ``rollout/busy_s``, ``wall_s``,
+``idle_fraction``) and ``weights/broadcast_*`` metrics go to flywheel.metrics.
 
 Weight versions are read from flywheel.weights without a consumer group (every replica sees
 every version, from the earliest offset), and at start-up from the checkpoint store's newest
@@ -68,20 +73,33 @@ def build_engine(config: RolloutSettings):
     return TorchEngine(load_model(model_dir, cfg.dtype), tok, seed=cfg.seed), tok
 
 
+def request_group(pool: str) -> str:
+    """The consumer group of rollout ``pool``'s replicas: ``rollout`` for the default pool, else
+    ``rollout-<pool>``."""
+    return "rollout" if pool == topics.DEFAULT_POOL else f"rollout-{pool}"
+
+
+def service_topics(pool: str) -> list[str]:
+    """The topics a replica of ``pool`` makes sure exist at start: every shared topic and the pool's
+    request topic."""
+    return list(dict.fromkeys([*topics.ALL, topics.rollout_requests(pool)]))
+
+
 @dataclass
 class KafkaClients:
-    """The service's producer, its group consumer of flywheel.rollout_requests (group ``rollout``,
-    manual commits) and its group-less consumer of flywheel.weights."""
+    """The service's producer, its group consumer of its pool's request topic (group
+    :func:`request_group`, manual commits) and its group-less consumer of flywheel.weights."""
 
     producer: AIOKafkaProducer
     requests: AIOKafkaConsumer
     weights: AIOKafkaConsumer
 
     @classmethod
-    def make(cls, cfg: KafkaConfig) -> KafkaClients:
-        """The three clients, not started."""
+    def make(cls, cfg: KafkaConfig, pool: str = topics.DEFAULT_POOL) -> KafkaClients:
+        """The three clients of a replica of rollout ``pool``, not started."""
         return cls(kafka.make_producer(cfg, "rollout"),
-                   kafka.make_consumer(cfg, topics.ROLLOUT_REQUESTS, group_id="rollout", client_id="rollout"),
+                   kafka.make_consumer(cfg, topics.rollout_requests(pool), group_id=request_group(pool),
+                                       client_id="rollout"),
                    kafka.make_consumer(cfg, topics.WEIGHTS, group_id=None, client_id="rollout-weights"))
 
     async def start(self) -> None:
@@ -114,14 +132,17 @@ async def run(config: RolloutSettings, stop: asyncio.Event | None = None) -> Non
     cfg = config.rollout
     engine, tok = await asyncio.to_thread(build_engine, config)
     intake = WeightIntake(config, engine)
-    await kafka.ensure_topics(config.kafka)
-    clients = KafkaClients.make(config.kafka)
+    await kafka.ensure_topics(config.kafka, service_topics(cfg.pool))
+    clients = KafkaClients.make(config.kafka, cfg.pool)
     await clients.start()
     intake.start(clients.weights, stop)
     stats = RolloutStats()
     gen = BatchGenerator(engine, tok, clients.producer, ToolRunner(cfg.sandbox_url, cfg.tool_timeout_s), stats,
                          config.model.system_prompt, cfg.max_trajectory_tokens)
     last_metrics = time.monotonic()
+    stats.start()
+    log.info("serving rollout pool %r (%s, group %s)", cfg.pool, topics.rollout_requests(cfg.pool),
+             request_group(cfg.pool))
     try:
         while not stop.is_set():
             batch = await take_batch(clients.requests, clients.producer, cfg.max_batch_requests, cfg.max_batch_samples)

@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from rollout_service.engine import Engine, GenerationRequest
+from rollout_service.engine import Engine, EngineGate, GenerationRequest
 from shared.schemas import SamplingParams, Task, VersionSpan
 from shared.text import extract_code
 from shared.tools import ToolCall, parse_tool_calls
@@ -148,18 +148,22 @@ class Rollout:
                            "seconds": seconds})
 
 
-async def run_tool_loop(engine: Engine, tokenizer, runner: ToolRunner, task: Task, prompt_ids: list[int], n: int,
-                        sampling: SamplingParams, max_tokens: int) -> list[Rollout]:
+async def run_tool_loop(engine: Engine | EngineGate, tokenizer, runner: ToolRunner, task: Task,
+                        prompt_ids: list[int], n: int, sampling: SamplingParams, max_tokens: int) -> list[Rollout]:
     """``n`` trajectories of ``task`` through up to ``task.max_turns`` assistant turns.
 
     A turn that ends with its end-of-turn token and holds tool calls is answered by the tools (all its
     calls, concurrently) and continued; anything else ends the trajectory. ``max_tokens`` bounds the
-    whole completion (generated and observation tokens). Each turn's generation runs in a worker thread.
+    whole completion (generated and observation tokens). Each turn's generation runs in a worker thread
+    through ``engine``'s :class:`EngineGate` (pass the service's gate so that concurrent loops and the
+    plain path take turns on the engine; a bare engine gets a gate of its own), and the engine is free
+    for others while the tools run.
     """
+    gate = engine if isinstance(engine, EngineGate) else EngineGate(engine)
     eos_id = tokenizer.eos_token_id
     eos_text = tokenizer.decode([eos_id]) if eos_id is not None else None
     rollouts = [Rollout() for _ in range(n)]
-    (first,) = await asyncio.to_thread(engine.generate, [GenerationRequest(prompt_ids, n, sampling)])
+    (first,) = await gate.generate([GenerationRequest(prompt_ids, n, sampling)])
     for r, s in zip(rollouts, first):
         r.add_generated(s, tokenizer)
     feedback = FEEDBACK in task.tools and task.verifier.kind == "unit_tests"
@@ -191,7 +195,7 @@ async def run_tool_loop(engine: Engine, tokenizer, runner: ToolRunner, task: Tas
             break
         reqs = [GenerationRequest(prompt_ids + r.ids, 1, sampling.model_copy(
             update={"max_new_tokens": min(sampling.max_new_tokens, max_tokens - len(r.ids))})) for r in live]
-        outs = await asyncio.to_thread(engine.generate, reqs)
+        outs = await gate.generate(reqs)
         for r, (s,) in zip(live, outs):
             r.add_generated(s, tokenizer)
     for r in rollouts:

@@ -100,19 +100,22 @@ class Sampler:
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Make the generator domains' first tasks (so round 0 evaluates their held-out sets), then start
-        the loops in the background."""
+        """Start the loops in the background (returns at once; the REST API serves meanwhile)."""
         self._stop.clear()
-        first = {d for d, r in self.registry.domain_rows().items() if r.config.generator}
-        if first:
-            live = self.registry.next_train_tasks({d: (self.registry.domain(d).config.level, 1) for d in first})
-            t0 = time.monotonic()
-            made = await self.maker.run_needed({d for d, c in live.items() if not c})
-            if made:
-                log.info("made %d tasks of %d generator domains in %.1f s", len(made), len(first),
-                         time.monotonic() - t0)
-                await self._publish_tasks(made)
         self._task = asyncio.create_task(self._run(), name="scheduler-sampler")
+
+    async def _first_tasks(self) -> None:
+        """Make the generator domains' first tasks before the first issue decision, so the pre-training
+        eval round holds their held-out sets and no domain starts starved."""
+        first = {d: r.config.level for d, r in self.registry.domain_rows().items() if r.config.generator}
+        if not first:
+            return
+        live = self.registry.next_train_tasks({d: (level, 1) for d, level in first.items()})
+        t0 = time.monotonic()
+        made = await self.maker.run_needed({d for d, c in live.items() if not c})
+        if made:
+            log.info("made %d tasks of %d generator domains in %.1f s", len(made), len(first), time.monotonic() - t0)
+            await self._publish_tasks(made)
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Ask the loops to stop; cancel them when they take longer than ``timeout_s`` seconds."""
@@ -127,6 +130,7 @@ class Sampler:
         self._task = None
 
     async def _run(self) -> None:
+        await self._first_tasks()
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._issue_loop())
             tg.create_task(self._restarting(self._rewards_loop))

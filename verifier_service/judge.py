@@ -149,10 +149,17 @@ class JudgeClient:
             raise ValueError("message content is not text")
         return content
 
-    async def score(self, rubric: JudgeRubric, prompt: list[dict[str, str]] | str, response: str) -> CheckResult:
-        """The ``judge`` component for one response; infra_error when there is no usable score."""
+    async def score(self, rubric: JudgeRubric, prompt: list[dict[str, str]] | str, response: str,
+                    cost: dict[str, float] | None = None) -> CheckResult:
+        """The ``judge`` component for one response; infra_error when there is no usable score.
+
+        ``cost``, when given, counts the request in ``cost["judge_calls"]`` (once it is sent, whatever
+        the answer; none is sent without ``base_url``).
+        """
         if not self.cfg.base_url:
             return infra("the recipe has a judge but verifier.judge.base_url is not set", misconfigured=True)
+        if cost is not None:
+            cost["judge_calls"] = cost.get("judge_calls", 0.0) + 1.0
         try:
             reply = await self.complete(judge_messages(rubric, prompt, response))
         except (httpx.HTTPError, ValueError) as e:

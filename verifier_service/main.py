@@ -33,13 +33,19 @@ SERVICE = "verifier"
 log = logging.getLogger(__name__)
 
 
-async def score_with_retries(scorer: Scorer, cfg: VerifierConfig, traj: Trajectory) -> Reward:
+async def score_with_retries(scorer: Scorer, cfg: VerifierConfig, traj: Trajectory,
+                             cost: dict[str, float] | None = None) -> Reward:
     """Score one trajectory, retrying infrastructure failures up to ``cfg.infra_retries`` times.
 
     The sleep before retry ``i`` (0-based) is ``retry_backoff_s * 2**i`` seconds. Trajectories that
     ended with finish_reason ``error``/``abort`` are not scored: infra_error with the reason. A
     misconfigured spec (``details.misconfigured``) is not retried.
+
+    ``cost``, when given, receives what scoring cost over every attempt: ``verify_seconds`` (seconds in
+    the scorer, backoff sleeps not counted; absent when nothing was scored), and from the scorer
+    ``sandbox_seconds`` and ``judge_calls`` (see :meth:`Scorer.score`).
     """
+    cost = {} if cost is None else cost
     if traj.finish_reason in ("error", "abort"):
         return Reward(
             total=0.0, infra_error=True,
@@ -47,9 +53,14 @@ async def score_with_retries(scorer: Scorer, cfg: VerifierConfig, traj: Trajecto
         )
     attempts = 0
     while True:
-        reward = await scorer.score(
-            traj.task.verifier, traj.completion_text, finish_reason=traj.finish_reason,
-            prompt=[m.model_dump() for m in traj.task.prompt], tools=traj.task.tools, domain=traj.task.domain)
+        t0 = time.perf_counter()
+        try:
+            reward = await scorer.score(
+                traj.task.verifier, traj.completion_text, finish_reason=traj.finish_reason,
+                prompt=[m.model_dump() for m in traj.task.prompt], tools=traj.task.tools, domain=traj.task.domain,
+                cost=cost)
+        finally:
+            cost["verify_seconds"] = cost.get("verify_seconds", 0.0) + time.perf_counter() - t0
         attempts += 1
         if not reward.infra_error or reward.details.get("misconfigured") or attempts > cfg.infra_retries:
             break
@@ -62,8 +73,19 @@ async def score_with_retries(scorer: Scorer, cfg: VerifierConfig, traj: Trajecto
     return reward
 
 
-def reward_event(traj: Trajectory, reward: Reward) -> RewardEvent:
-    """The light flywheel.rewards summary of one scored trajectory."""
+def sample_cost(traj: Trajectory, verifier_cost: dict[str, float] | None = None) -> dict[str, float]:
+    """``RewardEvent.cost`` of ``traj``: the trajectory's own ``cost`` (``generated_tokens``, ``tool_rounds``,
+    ``tool_seconds``; ``generated_tokens`` is Σ ``loss_mask``, the generated tokens, when the trajectory
+    has none) plus ``verifier_cost`` (``sandbox_seconds``, ``judge_calls``, ``verify_seconds``, as
+    :func:`score_with_retries` fills it). Values not known are absent, never guessed."""
+    cost = {k: float(v) for k, v in traj.cost.items()}
+    cost.setdefault("generated_tokens", float(sum(traj.loss_mask)))
+    cost.update({k: float(v) for k, v in (verifier_cost or {}).items()})
+    return cost
+
+
+def reward_event(traj: Trajectory, reward: Reward, verifier_cost: dict[str, float] | None = None) -> RewardEvent:
+    """The light flywheel.rewards summary of one scored trajectory, with its :func:`sample_cost`."""
     t = traj.task
     return RewardEvent(
         task_id=t.task_id, group_id=traj.group_id, trajectory_id=traj.trajectory_id,
@@ -73,7 +95,7 @@ def reward_event(traj: Trajectory, reward: Reward) -> RewardEvent:
         misconfigured=bool(reward.infra_error and reward.details.get("misconfigured")),
         reason=str(reward.details.get("reason"))[:500] if reward.infra_error else None,
         completion_tokens=len(traj.completion_ids), finish_reason=traj.finish_reason,
-        policy_version=traj.behaviour_version,
+        policy_version=traj.behaviour_version, cost=sample_cost(traj, verifier_cost),
     )
 
 
@@ -109,13 +131,14 @@ async def _handle(
                     "verifier.kind": traj.task.verifier.kind},
     ) as span:
         t0 = time.perf_counter()
-        reward = await score_with_retries(scorer, cfg, traj)
+        cost: dict[str, float] = {}
+        reward = await score_with_retries(scorer, cfg, traj, cost)
         dt = time.perf_counter() - t0
         span.set_attribute("reward", reward.total)
         span.set_attribute("infra_error", reward.infra_error)
         futs = [
             await send(producer, topics.SCORED, ScoredTrajectory(trajectory=traj, reward=reward), traj.group_id),
-            await send(producer, topics.REWARDS, reward_event(traj, reward), traj.task.task_id),
+            await send(producer, topics.REWARDS, reward_event(traj, reward, cost), traj.task.task_id),
         ]
         await asyncio.gather(*futs)
     counters.add("scored")

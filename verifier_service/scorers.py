@@ -267,18 +267,20 @@ class Scorer:
 
     async def score(self, spec: Any, completion: str, *, finish_reason: str = "stop",
                     prompt: list[dict[str, str]] | None = None, tools: list[str] | tuple = (),
-                    domain: str | None = None) -> Reward:
+                    domain: str | None = None, cost: dict[str, float] | None = None) -> Reward:
         """Score ``completion`` against ``spec`` (any ``shared.verifier_specs.VerifierSpec``) under its recipe.
 
         ``finish_reason`` feeds the truncation rule, ``prompt`` the judge, ``tools`` the tool-protocol
-        rule (the task's allowed tools), ``domain`` picks the service's per-domain recipe.
+        rule (the task's allowed tools), ``domain`` picks the service's per-domain recipe. ``cost``, when
+        given, is added to: ``sandbox_seconds`` (wall seconds of the unit-test requests to the sandbox)
+        and ``judge_calls`` (requests sent to the judge), each key present once such a call was made.
 
         Raises:
             asyncio.CancelledError: when cancelled (nothing else).
         """
         try:
             recipe = self.recipe_for(spec, domain)
-            correctness = await self.check(spec, completion)
+            correctness = await self.check(spec, completion, cost=cost)
             rules = run_rules(recipe.rules, completion, finish_reason, list(tools)) if recipe.rules else {}
             hacks = detect_hacks(completion, isinstance(spec, CODE_KINDS), gold_shape(spec))
             judge = None
@@ -286,7 +288,7 @@ class Scorer:
             zeroed = bool(zeroing_hacks(hacks, recipe.judge is not None)) and recipe.hack_policy == "zero"
             if recipe.judge is not None and not correctness.infra_error and not failed_gates(recipe, so_far) \
                     and not zeroed:  # a failed gate or a detected hack zeroes the reward: the judge's call would be wasted
-                judge = await asyncio.wait_for(self.judge.score(recipe.judge, prompt or [], completion),
+                judge = await asyncio.wait_for(self.judge.score(recipe.judge, prompt or [], completion, cost=cost),
                                                timeout=self.cfg.judge.timeout_s + 5)
             return compose(recipe, correctness, rules, judge, hacks)
         except asyncio.CancelledError:
@@ -297,11 +299,12 @@ class Scorer:
             log.exception("scorer failed on %s", getattr(spec, "kind", spec))
             return Reward(total=0.0, infra_error=True, details={"reason": f"scorer crashed: {type(e).__name__}: {e}"})
 
-    async def check(self, spec: Any, completion: str) -> CheckResult:
+    async def check(self, spec: Any, completion: str, cost: dict[str, float] | None = None) -> CheckResult:
         """The deterministic layer (``correctness``) for ``spec``.
 
         In-process kinds run inline when cheap (exact, numeric, json_fields, geometry, a cached
         reasoning-gym dataset) and in a worker thread bounded by ``check_timeout_s`` otherwise.
+        ``cost`` as in :meth:`score` (``unit_tests`` adds its ``sandbox_seconds``).
         """
         if isinstance(spec, ExactSpec):
             return det.score_exact(spec, completion)
@@ -314,7 +317,7 @@ class Scorer:
         if isinstance(spec, MathSpec):
             return await self.score_math(spec, completion)
         if isinstance(spec, UnitTestsSpec):
-            return await self.score_unit_tests(spec, completion)
+            return await self.score_unit_tests(spec, completion, cost=cost)
         if isinstance(spec, RegexSpec):
             return await self._in_thread(det.score_regex, spec, completion, self.cfg.regex_timeout_s)
         if isinstance(spec, ReasoningGymSpec):
@@ -449,19 +452,23 @@ class Scorer:
             req["entry_point"] = spec.entry_point
         return req
 
-    async def score_unit_tests(self, spec: UnitTestsSpec, completion: str) -> CheckResult:
+    async def score_unit_tests(self, spec: UnitTestsSpec, completion: str,
+                               cost: dict[str, float] | None = None) -> CheckResult:
         """Run the completion's code against ``spec.tests`` in the sandbox's test-harness mode (``POST {sandbox_url}/v1/execute``).
 
         Passed iff every test reports ``passed`` over the sandbox's private result channel (never from
         the program's stdout or exit code, so ``sys.exit(0)`` or a printed "passed" cannot pass).
         Unreachable sandbox, HTTP errors (503 included) and status ``infra_error`` give infra_error;
         timeouts and limits of the program give 0. The W3C trace context travels in the request headers.
+        The request's wall seconds, answered or not, are added to ``cost["sandbox_seconds"]`` when
+        ``cost`` is given.
         """
         timeout_s = spec.timeout_s or self.cfg.code_timeout_s
         if self._http is None:
             self._http = httpx.AsyncClient(base_url=self.cfg.sandbox_url.rstrip("/"))
         headers: dict[str, str] = {}
         propagate.inject(headers)
+        t0 = time.perf_counter()
         try:
             r = await self._http.post(
                 "/v1/execute", json=self.build_request(spec, completion, timeout_s), headers=headers,
@@ -469,6 +476,9 @@ class Scorer:
             )
         except httpx.HTTPError as e:
             return infra(f"sandbox unreachable: {type(e).__name__}: {e}", sandbox_url=self.cfg.sandbox_url)
+        finally:
+            if cost is not None:
+                cost["sandbox_seconds"] = cost.get("sandbox_seconds", 0.0) + time.perf_counter() - t0
         if r.status_code != 200:
             return infra(f"sandbox answered HTTP {r.status_code}", body=clip(r.text))
         try:

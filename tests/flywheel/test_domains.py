@@ -27,6 +27,9 @@ N = 50
 TRUNCATION_GATED = {"reasoning_gym", "gsm_symbolic"}
 """The math and reasoning domains: a cut-off answer is not an answer (the others opt out, see their RECIPE)."""
 
+UNSTATED = {"humaneval", "humaneval_repair", "toy"}
+"""Domains whose completion states no answer (code; free text a regex matches): no hedging between two."""
+
 
 def _restates_gold(spec, corrupt: str, gold: str) -> bool:
     """Whether the corruption's or the gold's answer states nothing, or the corruption only parts of the
@@ -56,7 +59,7 @@ async def _gold_and_corrupt(scorer: Scorer, domain: str, tasks: list[dict]) -> N
         assert bad.total < 1.0 and not bad.infra_error, (t["task_id"], bad)
         cut = await scorer.score(spec, mod.gold(t), domain=domain, finish_reason="length")
         assert cut.total == (0.0 if gated else 1.0), (t["task_id"], cut)
-        if domain not in ("humaneval", "humaneval_repair") and not _restates_gold(spec, wrong, mod.gold(t)):
+        if domain not in UNSTATED and not _restates_gold(spec, wrong, mod.gold(t)):
             hedged = await scorer.score(spec, wrong + "\n" + mod.gold(t), domain=domain)
             assert hedged.total == 0.0 and "multiple_answers" in hedged.details.get("hacks", {}), (t["task_id"], hedged)
 
@@ -66,6 +69,15 @@ async def test_generated_domain_gold_scores_one_and_corruption_below(domain):
     scorer = Scorer(VerifierConfig(math_workers=1))
     try:
         await _gold_and_corrupt(scorer, domain, get(domain).make(N, seed=11))
+    finally:
+        await scorer.close()
+
+
+@pytest.mark.parametrize("pattern", get("toy").LEVELS)
+async def test_each_toy_level_gold_scores_one_and_corruption_below(pattern):
+    scorer = Scorer(VerifierConfig())
+    try:
+        await _gold_and_corrupt(scorer, "toy", get("toy").make(N, seed=11, pattern=pattern))
     finally:
         await scorer.close()
 

@@ -142,3 +142,130 @@ async def test_tool_groups_and_plain_groups_go_out_through_one_runner(tmp_path, 
             await p.stop()
             stop.set()
             await asyncio.wait_for(service, 30)
+
+
+async def _arrivals(cfg, want: int, timeout_s: float = 120.0, settle_s: float = 0.0) -> list[tuple[float, Trajectory]]:
+    """``(monotonic arrival time, trajectory)`` of flywheel.trajectories records (no group, from the
+    earliest offset) until ``want`` arrived and then ``settle_s`` more seconds passed (or the timeout)."""
+    import time
+
+    from shared.schemas import decode
+
+    c = kafka.make_consumer(cfg.kafka, topics.TRAJECTORIES, group_id=None)
+    await c.start()
+    out, deadline, settled = [], time.monotonic() + timeout_s, None
+    try:
+        while time.monotonic() < deadline and (settled is None or time.monotonic() < settled):
+            for msgs in (await c.getmany(timeout_ms=100)).values():
+                out += [(time.monotonic(), decode(m.value, Trajectory)) for m in msgs]
+            if settled is None and len(out) >= want:
+                settled = time.monotonic() + settle_s
+    finally:
+        await c.stop()
+    return out
+
+
+@pytest.mark.kafka
+async def test_a_replica_serves_only_its_pool(tmp_path):
+    """``rollout.pool``: a replica consumes its pool's topic only (creating it at start); a request on a
+    pool topic waits for that pool's replicas, one on the default topic for the default pool's."""
+    from aiokafka.admin import AIOKafkaAdminClient
+    from pydantic import ValidationError
+
+    from rollout_service.config import RolloutConfig
+    from rollout_service.main import request_group
+
+    assert (request_group("default"), request_group("long")) == ("rollout", "rollout-long")
+    with pytest.raises(ValidationError):
+        RolloutConfig(pool="Long Pool")
+    model_dir = build_tiny_model(tmp_path / "tiny")
+    sp = SamplingParams(max_new_tokens=4)
+    with EmbeddedBroker.start() as b:
+        long_cfg = _settings(b, model_dir, tmp_path, pool="long")
+        default_cfg = _settings(b, model_dir, tmp_path)
+        p = kafka.make_producer(long_cfg.kafka)
+        await p.start()
+        try:
+            stop = asyncio.Event()
+            service = asyncio.create_task(run(long_cfg, stop))
+            admin = AIOKafkaAdminClient(bootstrap_servers=b.bootstrap_servers)
+            await admin.start()
+            try:
+                for _ in range(300):  # the replica creates its pool's topic
+                    if topics.rollout_requests("long") in await admin.list_topics():
+                        break
+                    await asyncio.sleep(0.1)
+                else:
+                    pytest.fail("the long pool's topic was not created")
+            finally:
+                await admin.close()
+            await (await kafka.send(p, topics.ROLLOUT_REQUESTS, RolloutRequest(group_id="d1", task=TASK, n=2,
+                                                                                sampling=sp), "d1"))
+            await (await kafka.send(p, topics.rollout_requests("long"), RolloutRequest(group_id="l1", task=TASK, n=2,
+                                                                                        sampling=sp), "l1"))
+            got = [t.group_id for _, t in await _arrivals(long_cfg, 2, settle_s=3.0)]
+            assert got == ["l1", "l1"]  # the default pool's request stays in Kafka
+            stop.set()
+            await asyncio.wait_for(service, 30)
+
+            stop = asyncio.Event()
+            service = asyncio.create_task(run(default_cfg, stop))
+            await (await kafka.send(p, topics.rollout_requests("long"), RolloutRequest(group_id="l2", task=TASK, n=2,
+                                                                                        sampling=sp), "l2"))
+            got = [t.group_id for _, t in await _arrivals(default_cfg, 4, settle_s=3.0)]
+            assert sorted(got) == ["d1", "d1", "l1", "l1"]  # d1 served now; l2 waits for a long replica
+            assert service.done() is False
+        finally:
+            stop.set()
+            await asyncio.wait_for(service, 30)
+            await p.stop()
+
+
+@pytest.mark.kafka
+async def test_plain_groups_are_published_while_a_tool_group_waits_on_the_sandbox(tmp_path, sandbox_url, monkeypatch,
+                                                                                   read_topic):
+    """A batch with a tool group whose sandbox call takes 4 s and a plain group: the plain group is
+    generated while the tool group waits (one engine call at a time) and published well before the tool
+    group ends; the engine's busy and idle metrics are consistent."""
+    import rollout_service.main as rollout_main
+    from shared.schemas import Metrics
+
+    monkeypatch.setattr(rollout_main, "METRICS_EVERY_S", 0.2)
+    msgs = [{"role": "user", "content": "f"}]
+    wrong = "```python\ndef f(x):\n    return x\n```"
+    model_dir = tmp_path / "tiny"
+    _, model = teach_tiny_model(model_dir, msgs, wrong)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    slow_tests = [{"name": "double", "code": "import time\ntime.sleep(4)\nassert f(2) == 4"}]
+    tool_task = Task(task_id="r", domain="repair", prompt=msgs, tools=["test_feedback"], max_turns=2,
+                     verifier={"kind": "unit_tests", "entry_point": "f", "tests": slow_tests})
+    greedy = SamplingParams(max_new_tokens=60, temperature=0.0)
+    with EmbeddedBroker.start() as b:
+        cfg = _settings(b, model_dir, tmp_path, sandbox_url=sandbox_url, max_trajectory_tokens=400)
+        await kafka.ensure_topics(cfg.kafka)
+        p = kafka.make_producer(cfg.kafka)
+        await p.start()
+        for gid, task in (("tools", tool_task), ("plain", TASK)):  # one batch: queued before the start, one partition
+            await (await kafka.send(p, topics.ROLLOUT_REQUESTS,
+                                    RolloutRequest(group_id=gid, task=task, n=2, sampling=greedy), "same-partition"))
+        stop = asyncio.Event()
+        service = asyncio.create_task(run(cfg, stop))
+        try:
+            arrived = await _arrivals(cfg, 4, timeout_s=180)
+            metrics = await read_topic(cfg.kafka, topics.METRICS, Metrics, 1,  # taken after both groups were published
+                                       keep=lambda m: m.source == "rollout" and m.values.get("rollout/samples", 0) >= 4)
+        finally:
+            stop.set()
+            await asyncio.wait_for(service, 30)
+            await p.stop()
+    at = {g: [t for t, x in arrived if x.group_id == g] for g in ("tools", "plain")}
+    assert len(at["tools"]) == len(at["plain"]) == 2
+    tools = [x for _, x in arrived if x.group_id == "tools"]
+    assert all([r["role"] for r in t.turns] == ["assistant", "tool", "assistant"] for t in tools)
+    assert all(t.cost["tool_seconds"] >= 4.0 for t in tools)  # the sandbox call really took 4 s
+    assert max(at["plain"]) < min(at["tools"]) - 1.0  # published while the tool group was still in the sandbox
+    v = metrics[-1].values
+    assert 0 < v["rollout/busy_s"] <= v["rollout/wall_s"]
+    assert 0 <= v["rollout/idle_fraction"] <= 1
+    assert v["rollout/idle_fraction"] == pytest.approx(1 - v["rollout/busy_s"] / v["rollout/wall_s"])
+

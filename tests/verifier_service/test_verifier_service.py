@@ -188,3 +188,58 @@ async def test_service_runs_domain_recipes_counts_hacks_and_gates_and_calibrates
     ev = {e.trajectory_id: e for e in events}
     assert ev[f"{unique}:4"].misconfigured and "composite" in ev[f"{unique}:4"].reason  # the domain pauses
     assert not ev[f"{unique}:0"].misconfigured and ev[f"{unique}:0"].reason is None
+
+
+async def test_reward_events_carry_the_rollout_and_verifier_cost(kafka_cfg, unique, tmp_path, read_topic, sandbox_url):
+    """``RewardEvent.cost``: the trajectory's cost (generated tokens, tool rounds and seconds) plus the
+    verifier's own: unit tests' sandbox seconds, judge calls, seconds of scoring; nothing guessed."""
+    from tests.verifier_service.scripted_judge import ScriptedJudgeServer
+
+    def traj(i: int, verifier: dict, text: str, cost: dict | None = None, n_tokens: int = 3) -> Trajectory:
+        task = Task(task_id=f"cost-{unique}-{i}", domain="toy", prompt=[{"role": "user", "content": "q"}],
+                    verifier=verifier)
+        return Trajectory(
+            trajectory_id=f"{unique}:{i}", group_id=f"g-{unique}-{i}", sample_index=0, group_size=2, task=task,
+            prompt_ids=[1], completion_ids=list(range(3, 3 + n_tokens)), completion_logprobs=[-0.1] * n_tokens,
+            loss_mask=[1] * n_tokens, completion_text=text, finish_reason="stop", cost=cost or {},
+            policy_versions=[{"version": 0, "start": 0, "end": n_tokens}])
+
+    code = "```python\ndef f(x):\n    return 2 * x\n```"
+    trajs = [
+        traj(0, {"kind": "regex", "pattern": "^a"}, "abc",
+             {"generated_tokens": 3.0, "tool_rounds": 0.0, "tool_seconds": 0.0}),
+        traj(1, {"kind": "unit_tests", "entry_point": "f", "tests": [{"name": "double", "code": "assert f(2) == 4"}]},
+             code, {"generated_tokens": 5.0, "tool_rounds": 1.0, "tool_seconds": 0.25}, n_tokens=7),
+        traj(2, {"kind": "regex", "pattern": "Paris", "recipe": {"judge": {"rubric": "Names the capital."},
+                                                                  "weights": {"correctness": 1, "judge": 1}}},
+             "Paris"),  # no cost on the trajectory: generated_tokens is Σ loss_mask
+    ]
+    with ScriptedJudgeServer(lambda u: "SCORE: 8") as url:
+        await ensure_topics(kafka_cfg)
+        config = FlywheelConfig(kafka=kafka_cfg, run={"dir": str(tmp_path)}, verifier={
+            "consumer_group": f"verifier-{unique}", "sandbox_url": sandbox_url, "judge": {"base_url": url}})
+        stop = asyncio.Event()
+        task = asyncio.create_task(run(config, stop))
+        producer = make_producer(kafka_cfg)
+        await producer.start()
+        try:
+            for t in trajs:
+                await (await send(producer, topics.TRAJECTORIES, t, t.group_id))
+            ids = {t.trajectory_id for t in trajs}
+            events = await read_topic(kafka_cfg, topics.REWARDS, RewardEvent, 3, keep=lambda r: r.trajectory_id in ids)
+        finally:
+            await producer.stop()
+            stop.set()
+            await asyncio.wait_for(task, timeout=30)
+    ev = {e.trajectory_id: e for e in events}
+    plain, tested, judged = (ev[f"{unique}:{i}"] for i in range(3))
+    assert plain.passed and tested.passed and judged.reward == pytest.approx(0.9)  # (1 + 0.8) / 2
+    assert plain.cost["generated_tokens"] == plain.completion_tokens == 3
+    assert plain.cost["tool_rounds"] == 0 and plain.cost["tool_seconds"] == 0
+    assert "sandbox_seconds" not in plain.cost and "judge_calls" not in plain.cost  # no such call was made
+    assert tested.cost["sandbox_seconds"] > 0 and "judge_calls" not in tested.cost
+    assert tested.cost["generated_tokens"] == 5 and tested.cost["tool_rounds"] == 1 and tested.cost["tool_seconds"] == 0.25
+    assert tested.cost["verify_seconds"] >= tested.cost["sandbox_seconds"]  # the sandbox call is part of scoring
+    assert judged.cost["judge_calls"] == 1 and judged.cost["generated_tokens"] == 3
+    assert "sandbox_seconds" not in judged.cost
+    assert all(0 < e.cost["verify_seconds"] < 60 for e in events)
