@@ -4,9 +4,11 @@
     flywheel up examples/arithmetic.yaml        # serve until Ctrl-C or `flywheel down`
     flywheel submit tasks.jsonl                 # one task object per line (format in README.md)
     flywheel status
+    flywheel domains                            # per domain: status, share, level, pass rate, spend vs budget
     flywheel down
     flywheel tasks geometry -n 100 > geometry.jsonl   # a shipped domain's generated tasks as JSONL
     flywheel judge-calibrate labelled.jsonl --config cfg.yaml   # the judge's agreement with labels
+    flywheel budget examples/arithmetic.yaml [--history runs/arithmetic.json] [--json]   # a run's rollout cost, before it
 """
 
 from __future__ import annotations
@@ -153,7 +155,8 @@ def _train(system: LocalSystem, cfg, t0: float, timeout_s: float, extra: list[di
     before = next((e for e in sorted(eval_rows.values(), key=lambda e: e["eval_round"])
                    if e["min_policy_version"] == 0), None)
     after = None
-    if any(t["split"] == "eval" for t in tasks):
+    held_out = httpx.get(f"{system.scheduler_url}/v1/status", timeout=10).json()["tasks"].get("eval", 0)
+    if held_out:  # submitted, or made by the generator domains (``domains.<d>.eval_size``)
         after = _final_eval(system, cfg.budget.max_steps, deadline)
     return _report(system, cfg, t0, before, after)
 
@@ -234,6 +237,8 @@ def _report(system: LocalSystem, cfg, t0: float, before: dict | None, after: dic
         "eval": {"before": ev(before), "after": ev(after)},
         "steps": max((h["step"] for h in history), default=0),
         "dropped_groups": httpx.get(f"{url}/v1/status", timeout=10).json().get("dropped_groups", {}),
+        # what the run generated per split (samples, generated_tokens, ...): what `flywheel budget` estimates
+        "cost": httpx.get(f"{url}/v1/status", timeout=10).json().get("cost"),
         "wall_seconds": wall,
         "history": [{"step": h["step"], "policy_version": h["policy_version"],
                      "mean_reward": h["values"].get("train/reward_mean"), "time": h["time"], **h["values"]}
@@ -330,6 +335,35 @@ def status(run_dir: RunDirOpt = None) -> None:
         raise typer.Exit(1) from None
 
 
+@app.command("domains")
+def domains_cmd(run_dir: RunDirOpt = None,
+                url: Annotated[Optional[str], typer.Option(help="Scheduler URL (default: the running system's).")] = None,
+                json_: Annotated[bool, typer.Option("--json", help="Print GET /v1/domains as JSON.")] = False) -> None:
+    """Show the running system's domains: status, weight, share, level, pass rate, tasks, spend against budget."""
+    from rich.table import Table
+
+    url = url or _state(run_dir)["scheduler_url"]
+    try:
+        rows = httpx.get(f"{url}/v1/domains", timeout=30).json()
+    except httpx.HTTPError as e:
+        console.print(f"[red]scheduler unreachable: {e}[/]")
+        raise typer.Exit(1) from None
+    if json_:
+        typer.echo(orjson.dumps(rows, option=orjson.OPT_INDENT_2).decode())
+        return
+    table = Table("domain", "status", "weight", "share", "level", "pass", "train/eval", "retired", "flagged",
+                  "tokens", "budget left")
+    for d in rows:
+        spent = (d["spend"].get("train") or {}).get("generated_tokens", 0)
+        table.add_row(d["domain"], d["status"], f"{d['config']['weight']:g}",
+                      "-" if d["share"] is None else f"{d['share']:.3f}", f"{d['level_name']} ({d['level'] + 1}/{d['levels']})",
+                      "-" if d["recent_pass_rate"] is None else f"{d['recent_pass_rate']:.2f}",
+                      f"{d['tasks']['train']}/{d['tasks']['eval']}", str(d["tasks"]["retired"]),
+                      str(d["tasks"]["flagged"]), f"{spent:.0f}",
+                      ", ".join(f"{k} {v:g}" for k, v in d["budget_left"].items()) or "-")
+    console.print(table)
+
+
 @app.command()
 def down(run_dir: RunDirOpt = None, timeout: float = 60.0) -> None:
     """Stop the running system (signals its supervisor, which stops every process by pid)."""
@@ -366,6 +400,41 @@ def tasks_cmd(domain: Annotated[str, typer.Argument(help="reasoning_gym, humanev
         raise typer.BadParameter(str(e)) from None
     for t in out:
         typer.echo(orjson.dumps(t).decode())
+
+
+@app.command("budget")
+def budget_cmd(
+    config: ConfigArg,
+    set_: SetOpt = None,
+    pilot_tasks: Annotated[Optional[int], typer.Option(
+        help="Training and held-out tasks of the pilot (each); default 16, or 0 (no pilot) with --history.")] = None,
+    history: Annotated[Optional[Path], typer.Option(
+        exists=True, dir_okay=False, help="A finished run's report (flywheel run --report): take the tokens from it.")] = None,
+    json_: Annotated[bool, typer.Option("--json", help="Print the estimate as JSON.")] = False,
+) -> None:
+    """Estimate a run's rollout cost before it starts: trajectories x rounds x tokens per round (and tool rounds,
+    sandbox seconds, judge calls) per domain, train and eval; see flywheel/budget.py."""
+    from flywheel import budget
+
+    try:
+        cfg = _load(config, set_)[0]
+        n = pilot_tasks if pilot_tasks is not None else (0 if history else 16)
+        if n < 0:
+            raise ValueError("--pilot-tasks must be >= 0")
+        hist = budget.history_costs(history) if history else None
+        if hist:
+            hist["path"] = str(history)
+        tasks = budget.all_tasks(cfg, max(n, 1))
+        err = Console(stderr=True)
+        with err.status(f"pilot: {n} training and {n} held-out tasks with {cfg.model.name}"):
+            pilot = budget.run_pilot(cfg, tasks, n, seed=cfg.rollout.seed) if n else None
+        report = budget.budget_report(cfg, tasks, pilot, hist, config_name=str(config))
+    except (ValueError, FileNotFoundError) as e:
+        raise typer.BadParameter(str(e)) from None
+    if json_:
+        typer.echo(orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
+    else:
+        budget.render(report, console)
 
 
 @app.command("judge-calibrate")

@@ -205,7 +205,8 @@ class SchedulerConfig(BaseModel):
     """Train reward events kept for the recent reward mean and staleness in ``GET /v1/status``."""
     issue_order: Literal["cost", "fifo"] = "cost"
     """Order of the groups the mix chose. ``cost``: among the domains due within the next
-    ``cost_lookahead`` decisions the one whose groups take longest (learned wall seconds per group) goes
+    ``cost_lookahead`` decisions the one whose groups take the most work (learned from the samples' cost:
+    tool, sandbox and verifier seconds plus generated tokens, see ``scheduler_service.issuing.work_per_group``) goes
     first, so long multi-turn groups start early and short ones fill around them; a domain passed over
     ``cost_lookahead`` times goes next whatever its cost, so a domain's count strays at most ``cost_lookahead`` + 1
     groups from its share. ``fifo``: strictly the mix's order."""

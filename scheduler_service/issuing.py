@@ -28,6 +28,18 @@ log = logging.getLogger(__name__)
 _BUDGET_KEYS = ("samples",) + COST_KEYS
 _SPEND_EVERY_S = 1.0
 
+TOKEN_SECONDS = 1e-3
+"""Nominal generation seconds per token in the work estimate of a group (a CPU engine's order of magnitude;
+only the ratio between domains matters)."""
+
+
+def work_per_group(train: dict[str, float]) -> float | None:
+    """Seconds of work of one training group of a domain from its spend (``None`` before a group completed)."""
+    if not train.get("groups"):
+        return None
+    work = sum(train.get(k, 0.0) for k in ("tool_seconds", "sandbox_seconds", "verify_seconds"))
+    return (work + TOKEN_SECONDS * train.get("generated_tokens", 0.0)) / train["groups"]
+
 
 @dataclass
 class DomainView:
@@ -36,6 +48,10 @@ class DomainView:
     spent: dict[str, float] = field(default_factory=dict)
     in_flight_samples: int = 0
     seconds_per_group: float | None = None
+    """Wall seconds from issue to the last reward, per completed group (queueing included)."""
+    work_per_group: float | None = None
+    """Seconds of work per group: tool, sandbox and verifier seconds of its samples plus
+    :data:`TOKEN_SECONDS` per generated token (what the cost order compares; queueing excluded)."""
 
 
 class IssuePlanner:
@@ -69,7 +85,7 @@ class IssuePlanner:
                 tr = spend.get(d, {}).get("train", {})
                 groups = tr.get("groups", 0)
                 views[d] = DomainView({k: tr.get(k, 0.0) for k in _BUDGET_KEYS}, flight.get(d, (0, 0))[1],
-                                      tr["group_seconds"] / groups if groups else None)
+                                      tr["group_seconds"] / groups if groups else None, work_per_group(tr))
             self._views, self._views_at = views, time.monotonic()
         return self._views
 
@@ -109,9 +125,10 @@ class IssuePlanner:
     def plan(self, budget: int) -> list[tuple[str, int | None]]:
         """Up to ``budget`` ``(task_id, samples or None)`` for new training groups, in issue order.
 
-        A domain's next tasks are read when the mix first picks it in the pass (fewest groups first);
-        fewer picks come back when the issuable domains run out of live tasks, and :attr:`starved` names
-        those that did.
+        A domain's next tasks are read when the mix first picks it in the pass (fewest groups first); a
+        domain with fewer live tasks than its share of the pass gets them again (another group of the same
+        task), so its share does not depend on its pool size. :attr:`starved` names the domains that had
+        no live task.
         """
         rows = self.issuable()
         self.starved = set()
@@ -124,6 +141,7 @@ class IssuePlanner:
         cost = self._costs(set(rows)) if self.cfg.scheduler.issue_order == "cost" else None
         slack = 2 + (self.cfg.scheduler.cost_lookahead if cost else 0)
         cands: dict[str, list[tuple[str, int, int]]] = {}
+        cycle: dict[str, list[tuple[str, int, int]]] = {}
         picks: list[tuple[str, int | None]] = []
         while len(picks) < budget:
             d = self.mix.choose(cost=cost)
@@ -132,12 +150,16 @@ class IssuePlanner:
             if d not in cands:  # first pick of d in this pass: its share of the pass, and a little more
                 k = math.ceil((budget - len(picks)) * weights[d] / total) + slack
                 cands[d] = self.registry.next_train_tasks({d: (rows[d].config.level, k)})[d]
+                if len(cands[d]) < k:  # every live task of d: a second round of them if its share needs it
+                    cycle[d] = list(cands[d])
             if not cands[d]:
                 self.starved.add(d)
                 self.mix.drop(d)
                 continue
             self.mix.take(d)
             tid, samples, passes = cands[d].pop(0)
+            if not cands[d] and d in cycle:
+                cands[d] = list(cycle[d])
             adaptive = rows[d].config.adaptive_samples
             n = samples_for(samples, passes, adaptive) if adaptive else None
             picks.append((tid, n))
@@ -148,10 +170,12 @@ class IssuePlanner:
         return picks
 
     def _costs(self, domains: set[str]) -> dict[str, float] | None:
-        """Expected wall seconds of one group per domain; a domain not measured yet counts as the mean of
-        the measured ones. ``None`` while nothing is measured (then strict stride order)."""
+        """Expected seconds of work of one group per domain (:func:`work_per_group`: tool, sandbox and
+        verifier seconds plus generation, not the time spent queueing behind other groups); a domain not
+        measured yet counts as the mean of the measured ones. ``None`` while nothing is measured (then
+        strict fair order)."""
         views = self.views()
-        known = {d: views[d].seconds_per_group for d in domains if d in views and views[d].seconds_per_group}
+        known = {d: views[d].work_per_group for d in domains if d in views and views[d].work_per_group}
         if not known:
             return None
         mean = sum(known.values()) / len(known)

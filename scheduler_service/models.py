@@ -158,6 +158,9 @@ class DomainPublic(BaseModel):
     ``retired``, ``over_budget`` (a cap in ``config.budget`` reached; ``over_budget`` says which),
     ``no_tasks`` (no live training task at its level; a generator domain makes more), ``zero_weight``.
     ``share``: its fraction of the training groups the mix issued so far (re-samples not counted).
+    ``seconds_per_group``: wall seconds from issue to the last reward per completed training group;
+    ``work_seconds_per_group``: tool, sandbox and verifier seconds plus 1 ms per generated token, per group
+    (what ``scheduler.issue_order: cost`` compares).
     ``spend``: per purpose (``train``, ``eval``): samples, generated_tokens, tool_rounds, tool_seconds,
     sandbox_seconds, judge_calls, verify_seconds, groups (complete), group_seconds (wall, issue → last
     reward). ``budget_left``: cap − training spend per capped key.
@@ -178,6 +181,7 @@ class DomainPublic(BaseModel):
     groups_issued: int
     share: float | None
     seconds_per_group: float | None
+    work_seconds_per_group: float | None = None
     spend: dict[str, dict[str, float]]
     budget_left: dict[str, float]
     generator_error: str | None = None

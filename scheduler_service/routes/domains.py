@@ -18,6 +18,7 @@ from scheduler_service.config import DOMAIN_PATTERN, DomainConfig, deep_merge
 from scheduler_service.deps import StateDep
 from scheduler_service.domains import DomainRow
 from scheduler_service.generate import check_levels
+from scheduler_service.issuing import work_per_group
 from scheduler_service.models import DomainDetail, DomainPublic
 from scheduler_service.state import SchedulerState
 
@@ -73,6 +74,7 @@ def domain_views(state: SchedulerState, only: str | None = None) -> list[DomainP
             live_by_level=live, groups_issued=s.get("groups_issued", 0),
             share=s.get("groups_issued", 0) / total_issued if total_issued else None,
             seconds_per_group=train["group_seconds"] / train["groups"] if train.get("groups") else None,
+            work_seconds_per_group=work_per_group(train),
             spend=sp, budget_left=_budget_left(c, train),
             generator_error=None if maker is None or name not in maker.failed else "the generator failed (see the log)",
         ))

@@ -10,7 +10,10 @@ made at that level; and a saturated toy task retired from training.
 
 from __future__ import annotations
 
+import json
 import sqlite3
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -106,6 +109,9 @@ def test_a_hundred_domains_mix_by_weight_learn_by_level_and_retire_saturated_tas
         toy = _wait(lambda: (d := httpx.get(f"{url}/v1/domains/{TOY}", timeout=30).json())["level"] >= 1
                     and d["tasks"]["retired"] >= 1 and d, 600, system, "the toy domain's promotion and a retired task")
         assert any(e["kind"] == "promoted" for e in toy["events"]) and toy["live_by_level"].get("1", 0) > 0
+        shown = subprocess.run([sys.executable, "-m", "flywheel.cli", "domains", "--url", url, "--json"],
+                               capture_output=True, text=True, timeout=120, check=True)
+        assert {d["domain"] for d in json.loads(shown.stdout)} >= set(weights)
         assert toy["retired_tasks"] and httpx.get(f"{url}/v1/tasks/{toy['retired_tasks'][0]}",
                                                   timeout=30).json()["state"] == "retired"
     finally:

@@ -235,3 +235,12 @@ def test_generator_domains_make_tasks_per_level_and_stop_when_dry(reg):
     assert maker.make(reg.domain("gen"), "train", 1) == []  # nothing new: the level is dry
     assert maker.needs(reg.domain("gen"), starved=True) == []
     assert reg.get_task(made[-1].task_id)["split"] == "train"
+
+
+def test_a_domain_with_few_tasks_still_gets_its_share(reg):
+    reg.register([_task("only", "small")] + [_task(f"m{i}", "big") for i in range(20)])
+    reg.put_domain("small", DomainConfig(weight=3.0))
+    planner = IssuePlanner(SchedulerSettings(scheduler={"issue_order": "fifo"}), reg)
+    groups = _issue(reg, planner, 8)
+    assert Counter(g.task.domain for g in groups) == {"small": 6, "big": 2}
+    assert len({g.group_id for g in groups}) == 8  # the one task's groups are distinct groups
