@@ -30,7 +30,7 @@ the tasks the policy learns need no more re-samples. With the pilot alone the es
 learning* (:func:`_pilot_estimates`) towards the rewarded policy, the one that answers like the pilot's
 passing samples (the optimum of a 0/1 reward under a KL penalty β, π* ∝ π₀·exp(r/β), is nearly π₀
 conditioned on passing for β ≪ 1): sampled lengths move at an even pace from the version-0 mean to the
-passing samples' mean (:attr:`Cost.pass_tokens`) and greedy ones to the length of the most frequent
+passing samples' mean (:attr:`Cost.pass_tokens`) and greedy ones to the length of the most probable
 passing answer (:func:`greedy_target`: greedy decoding returns the most probable sequence), each kind of
 trajectory costed at its mean progress through the run (training groups ½, an eval round at version v at
 v / max_steps). The pilot re-samples its unsolved groups as the run does; a task that passes in neither
@@ -426,7 +426,7 @@ async def _generate_and_score(cfg, engine, tok, runner, scorer, groups, notes: l
     rows = []
     for req, trajs in zip(groups, await _generate(cfg, engine, tok, runner, groups)):
         for traj in trajs:
-            rows.append(dict(await _score(scorer, req, traj, notes), text=traj["text"]))
+            rows.append(dict(await _score(scorer, req, traj, notes), text=traj["text"], logprob=traj["logprob"]))
     return rows
 
 
@@ -457,7 +457,8 @@ def _request(cfg, task: dict, split: str, samples: int | None):
 
 
 async def _generate(cfg, engine, tok, runner, groups) -> list[list[dict]]:
-    """Trajectories per request: ``{text, tokens, rounds, tool_rounds, tool_seconds, finish_reason}``."""
+    """Trajectories per request: ``{text, tokens, rounds, tool_rounds, tool_seconds, finish_reason, logprob}``
+    (``logprob``: the completion's log-probability under the sampling policy, natural log)."""
     from rollout_service.engine import GenerationRequest
     from rollout_service.generation import prompt_messages, uses_tools
     from rollout_service.tool_loop import run_tool_loop
@@ -473,7 +474,7 @@ async def _generate(cfg, engine, tok, runner, groups) -> list[list[dict]]:
             out[i] = [{"text": tok.decode(ro.ids, skip_special_tokens=True),  # as emitted: tool turns included
                        "tokens": ro.generated_tokens, "rounds": sum(x["role"] == "assistant" for x in ro.turns),
                        "tool_rounds": ro.tool_rounds, "tool_seconds": ro.tool_seconds,
-                       "finish_reason": ro.finish_reason} for ro in ros]
+                       "finish_reason": ro.finish_reason, "logprob": sum(ro.logprobs)} for ro in ros]
         else:
             plain.append((i, GenerationRequest(prompt, r.n, r.sampling)))
     cap = cfg.rollout.max_batch_samples
@@ -485,7 +486,7 @@ async def _generate(cfg, engine, tok, runner, groups) -> list[list[dict]]:
             for (i, _), samples in zip(batch, res):
                 out[i] = [{"text": tok.decode(s.completion_ids, skip_special_tokens=True),
                            "tokens": len(s.completion_ids), "rounds": 1, "tool_rounds": 0, "tool_seconds": 0.0,
-                           "finish_reason": s.finish_reason} for s in samples]
+                           "finish_reason": s.finish_reason, "logprob": sum(s.logprobs)} for s in samples]
             batch = []
     return out  # type: ignore[return-value]
 
@@ -555,19 +556,17 @@ def _summarise(pilot: Pilot, rows: list[dict], cfg, samples: int | None) -> None
 
 def greedy_target(rows: list[dict]) -> float | None:
     """Generated tokens of the rewarded policy's greedy answer, estimated from sampled ``rows`` (with
-    ``task_id``, ``text``, ``tokens``, ``passed``): greedy decoding returns the most probable sequence, so per
-    task the most frequent passing completion (by text; a tie, e.g. all distinct, counts as the mean of the
-    tied), averaged over the tasks with a pass; ``None`` when none passed."""
-    per_task: dict[str, dict[str, list[int]]] = {}
+    ``task_id``, ``tokens``, ``passed`` and ``logprob``, the completion's log-probability): greedy decoding
+    returns (nearly) the most probable sequence, and the rewarded policy's most probable sequence is the base
+    policy's most probable passing one; so per task the length of the passing sample with the highest
+    log-probability, averaged over the tasks with a pass. ``None`` when none passed."""
+    best: dict[str, tuple[float, int]] = {}
     for r in rows:
         if r.get("passed"):
-            per_task.setdefault(r["task_id"], {}).setdefault(r.get("text", ""), []).append(r["tokens"])
-    lengths = []
-    for texts in per_task.values():
-        top = max(len(v) for v in texts.values())
-        tied = [v[0] for v in texts.values() if len(v) == top]
-        lengths.append(sum(tied) / len(tied))
-    return sum(lengths) / len(lengths) if lengths else None
+            lp = float(r.get("logprob", 0.0))
+            if r["task_id"] not in best or lp > best[r["task_id"]][0]:
+                best[r["task_id"]] = (lp, r["tokens"])
+    return sum(t for _, t in best.values()) / len(best) if best else None
 
 
 # ---------------------------------------------------------------- the estimate

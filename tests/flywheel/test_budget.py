@@ -62,15 +62,15 @@ def test_unsolved_probability_is_unbiased_from_enough_samples_and_plug_in_below(
         B.unsolved_probability(3, 2, 8)
 
 
-def _row(task, passed, tokens, text="", resample=False, split="train"):
+def _row(task, passed, tokens, logprob=-30.0, resample=False, split="train"):
     return {"domain": "a", "split": split, "task_id": task, "tokens": tokens, "rounds": 1, "tool_rounds": 0,
             "tool_seconds": 0.0, "sandbox_seconds": 0.0, "judge_calls": 0.0, "truncated": tokens >= 24,
-            "passed": passed, "text": text, "resample": resample}
+            "passed": passed, "logprob": logprob, "resample": resample}
 
 
 def test_the_pilot_summary_counts_never_solved_tasks_through_their_re_sample_and_the_greedy_answer():
     cfg = load_config(ARITH)  # K = 8
-    rows = ([_row("t1", i < 3, 8 if i < 3 else 24, "7." if i < 2 else f"long {i}") for i in range(8)]
+    rows = ([_row("t1", i < 3, 24 if i == 2 else 8 if i < 2 else 20, -40.0 if i == 2 else -5.0 - i) for i in range(8)]
              + [_row("t2", False, 24) for _ in range(8)] + [_row("t2", i == 0, 20, resample=True) for i in range(24)]
              + [_row("t3", False, 24) for _ in range(8)] + [_row("t3", False, 22, resample=True) for _ in range(24)]
              + [_row("e1", False, 24, split="eval")])
@@ -78,11 +78,12 @@ def test_the_pilot_summary_counts_never_solved_tasks_through_their_re_sample_and
     B._summarise(pilot, rows, cfg, None)
     assert pilot.unsolved["a"] == pytest.approx(2 / 3)  # t2 and t3 failed their 8 samples
     assert pilot.never_solved["a"] == pytest.approx(1 / 3)  # t3 failed its re-sample of 24 too
-    assert pilot.train["a"].tokens == pytest.approx((3 * 8 + 5 * 24 + 16 * 24) / 24)  # the K-sample groups only
+    assert pilot.train["a"].tokens == pytest.approx((2 * 8 + 24 + 5 * 20 + 16 * 24) / 24)  # the K-sample groups only
     assert pilot.resample["a"].tokens == pytest.approx(21.0) and pilot.resample["a"].source == "pilot re-samples"
     assert pilot.eval["a"].tokens == 24
-    assert pilot.greedy_tokens["a"] == 8  # t1's most frequent passing answer "7." (t2's pass is in a re-sample)
-    assert B.greedy_target([_row("x", True, 5, "a"), _row("x", True, 9, "b")]) == 7  # a tie: their mean
+    assert pilot.greedy_tokens["a"] == 8  # t1's most probable passing answer (t2's pass is in a re-sample)
+    assert B.greedy_target([_row("x", True, 5, -9.0), _row("x", True, 9, -3.0), _row("y", True, 3, -1.0),
+                            _row("y", False, 1, 0.0)]) == (9 + 3) / 2
 
 
 def test_arithmetic_trajectories_match_the_hand_count():
