@@ -102,6 +102,12 @@ def samples_for(samples: int, passes: int, cfg: AdaptiveSamples) -> int:
     return cfg.max
 
 
+def spent_on(key: str, train: dict[str, float]) -> float:
+    """A domain's training spend against budget cap ``key`` (``sandbox_seconds`` counts the tool loop's
+    sandbox seconds and the unit tests' together)."""
+    return train.get(key, 0.0) + (train.get("tool_seconds", 0.0) if key == "sandbox_seconds" else 0.0)
+
+
 def level_of(cfg: DomainConfig, difficulty: float) -> int:
     """Level of a fixed-data task: the first level whose ``difficulty`` range holds it; 0 when no level
     has a range; -1 when none holds it (never issued)."""
@@ -151,12 +157,27 @@ class DomainTables:
     """Domain methods of the registry (a mixin: needs ``_tx``, ``_one``, ``_all`` and ``_lock``)."""
 
     _domains: dict[str, DomainRow]
+    _window_moves: list[tuple[str, float, int]]
+    _moved: set[str]
 
     # ------------------------------------------------------------ rows
 
     def _load_domains(self) -> None:
+        self._window_moves, self._moved = [], set()
         with self._lock:
             self._domains = {r["domain"]: DomainRow.from_sql(r) for r in self._db.execute("SELECT * FROM domains")}
+
+    def _apply_windows(self) -> None:
+        """After a committed reward: the cached rows take the curriculum windows it moved (a level move
+        re-reads its row)."""
+        with self._lock:
+            for domain, ema, n in self._window_moves:
+                row = self._domains.get(domain)
+                if row is not None:
+                    row.recent_pass, row.level_samples = ema, n
+            moved, self._window_moves, self._moved = self._moved, [], set()
+        for domain in moved:
+            self._refresh(domain)
 
     def _refresh(self, domain: str) -> None:
         row = self._one("SELECT * FROM domains WHERE domain = ?", domain)
@@ -328,10 +349,12 @@ class DomainTables:
                 move = -1
         if not move:
             db.execute("UPDATE domains SET recent_pass = ?, level_samples = ? WHERE domain = ?", (ema, n, domain))
+            self._window_moves.append((domain, ema, n))  # applied to the cached row once the transaction commits
             return None
         new = d.config.model_copy(update={"level": d.config.level + move})
         self._write_domain(db, domain, new)
         db.execute("UPDATE domains SET recent_pass = NULL, level_samples = 0 WHERE domain = ?", (domain,))
+        self._moved.add(domain)
         kind = "promoted" if move > 0 else "demoted"
         self._event(db, domain, kind, old=d.config.level, new=new.level,
                     recent_pass=round(ema, 4), samples=n)

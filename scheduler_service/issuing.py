@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from scheduler_service.config import SchedulerSettings
-from scheduler_service.domains import COST_KEYS, DomainRow, samples_for
+from scheduler_service.domains import COST_KEYS, DomainRow, samples_for, spent_on
 from scheduler_service.generate import make_tasks
 from scheduler_service.mix import StrideMix
 from scheduler_service.registry import Registry
@@ -97,7 +97,7 @@ class IssuePlanner:
         samples = view.spent.get("samples", 0.0)
         room, why = float("inf"), None
         for key, cap in caps.items():
-            spent = view.spent.get(key, 0.0) + (view.spent.get("tool_seconds", 0.0) if key == "sandbox_seconds" else 0.0)
+            spent = spent_on(key, view.spent)
             per_sample = 1.0 if key == "samples" else (spent / samples if samples else 0.0)
             left = (cap - spent) / per_sample - view.in_flight_samples if per_sample > 0 else (
                 float("inf") if spent < cap else 0.0)

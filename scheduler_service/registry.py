@@ -242,6 +242,7 @@ class Registry(DomainTables):
                 yield self._db
             except BaseException:
                 self._db.execute("ROLLBACK")
+                self._window_moves, self._moved = [], set()  # nothing of it was stored
                 raise
             self._db.execute("COMMIT")
 
@@ -649,8 +650,7 @@ class Registry(DomainTables):
             if (completed and resample_wanted(g["n"], resample_n) and g["purpose"] == "train" and g["resample_of"] is None
                     and g["dropped"] is None):  # a dropped group's slot was already given to a new group
                 resample = self._resample_unsolved(db, g, self._resample_size(g["domain"], resample_n))
-        if g["domain"] is not None and g["purpose"] == "train":
-            self._refresh(g["domain"])  # its curriculum window moved
+        self._apply_windows()
         return RewardOutcome(True, True, scored, completed, resample, tuple(n for n in notes if n))
 
     def _resample_size(self, domain: str | None, resample_n: int) -> int:

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from scheduler_service.config import DOMAIN_PATTERN, DomainConfig, deep_merge
 from scheduler_service.deps import StateDep
-from scheduler_service.domains import DomainRow
+from scheduler_service.domains import DomainRow, spent_on
 from scheduler_service.generate import check_levels
 from scheduler_service.issuing import work_per_group
 from scheduler_service.models import DomainDetail, DomainPublic
@@ -41,11 +41,7 @@ def _status(state: SchedulerState, row: DomainRow, live: int) -> str:
 
 
 def _budget_left(cfg: DomainConfig, train: dict[str, float]) -> dict[str, float]:
-    left = {}
-    for key, cap in cfg.budget.model_dump(exclude_none=True).items():
-        spent = train.get(key, 0.0) + (train.get("tool_seconds", 0.0) if key == "sandbox_seconds" else 0.0)
-        left[key] = cap - spent
-    return left
+    return {key: cap - spent_on(key, train) for key, cap in cfg.budget.model_dump(exclude_none=True).items()}
 
 
 def domain_views(state: SchedulerState, only: str | None = None) -> list[DomainPublic]:
