@@ -8,7 +8,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 
 from scheduler_service.config import SchedulerSettings
-from scheduler_service.routes import domains, evals, status, tasks
+from scheduler_service.routes import domains, evals, monitor, status, tasks
 from scheduler_service.state import SchedulerState
 from shared.http import install_validation_handler
 
@@ -17,7 +17,8 @@ def create_app(config: SchedulerSettings, state: SchedulerState) -> FastAPI:
     """The REST API over ``state``; its lifespan starts the producer and sampler and stops them.
 
     Routes: ``POST/GET /v1/tasks``, ``POST/GET /v1/evals``, ``GET/PUT/PATCH /v1/domains[/{domain}]``
-    (and ``POST .../pause``, ``.../resume``), ``GET /v1/status``,
+    (and ``POST .../pause``, ``.../resume``, ``.../breaker/{open,close}``), ``GET /v1/alerts``,
+    ``GET /v1/monitor``, ``POST /v1/control``, ``POST /v1/training/{pause,resume}``, ``GET /v1/status``,
     ``GET /v1/metrics/history``, ``GET /healthz``; OpenAPI docs at ``/docs``.
     """
 
@@ -32,7 +33,7 @@ def create_app(config: SchedulerSettings, state: SchedulerState) -> FastAPI:
     app = FastAPI(title="Flywheel scheduler", version="0.1.0", lifespan=lifespan)
     app.state.scheduler = state
     app.state.config = config
-    for r in (tasks.router, evals.router, domains.router, status.router):
+    for r in (tasks.router, evals.router, domains.router, monitor.router, status.router):
         app.include_router(r)
     install_validation_handler(app)
     return app

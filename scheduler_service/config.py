@@ -2,7 +2,7 @@
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.config import BudgetConfig, Settings, moved_keys
 from shared.topics import DEFAULT_POOL, POOL_PATTERN
@@ -97,6 +97,124 @@ class LifecycleConfig(BaseModel):
     task, listed per domain. Flagged tasks keep being issued."""
 
 
+SIGNALS: dict[str, str] = {
+    "scorer_inconsistency": "share of repeated (task, completion) pairs whose reward differs from the first time",
+    "infra_error_rate": "share of the current window (train and eval) that were infrastructure errors",
+    "truncation_rate": "share of the current window's completions cut at the token budget",
+    "diversity_collapse": "share of the last groups whose samples are all one answer and not all passed",
+    "hack_rate": "share of the current window flagged by a reward-hacking detector",
+    "pass_rate_jump": "pass rate of the current window minus the reference window's",
+    "pass_rate_collapse": "pass rate of the reference window minus the current window's",
+    "reward_shift": "Wasserstein-1 distance between the current and reference reward distributions",
+    "length_inflation": "mean completion tokens of the current window over the reference window's",
+    "entropy_drop": "1 − mean surprisal (nats/token) of the current window over the reference window's",
+    "eval_accuracy_drop": "held-out accuracy of the previous evaluation round minus the latest's",
+    "kl": "the trainer's per-token KL to the reference policy (loss/kl_ref_mean, nats), run-wide",
+    "entropy_collapse": "1 − the trainer's policy entropy (loss/entropy) over its first value, run-wide",
+}
+"""Every signal the drift monitor computes (``scheduler_service.monitor``), with what its value is, most specific
+first: when several turn critical at once, the first names the breaker's trip."""
+
+RUN_SIGNALS = ("kl", "entropy_collapse")
+"""Signals about the whole run (from the trainer's metrics), not a domain."""
+
+THRESHOLD_FIELDS = ("warning", "critical", "min_rise", "min_samples", "enabled")
+
+
+class SignalThreshold(BaseModel):
+    """When one signal raises an alert: ``value ≥ warning`` (or ``≥ critical``), and, when ``min_rise`` is
+    set, also ``value − reference ≥ min_rise`` (a rate that was already that high is not news). ``None``
+    disables that level; ``min_samples`` (``None``: ``monitor.min_samples``) is the smallest window it is
+    judged on."""
+
+    model_config = ConfigDict(extra="forbid")
+    warning: float | None = Field(None, allow_inf_nan=False)
+    critical: float | None = Field(None, allow_inf_nan=False)
+    min_rise: float | None = Field(None, allow_inf_nan=False)
+    min_samples: int | None = Field(None, ge=1, le=100_000)
+    enabled: bool = True
+
+
+DEFAULT_THRESHOLDS: dict[str, SignalThreshold] = {
+    "scorer_inconsistency": SignalThreshold(warning=0.1, critical=0.3, min_samples=8),
+    "pass_rate_jump": SignalThreshold(warning=0.3, critical=0.7),
+    "pass_rate_collapse": SignalThreshold(warning=0.3, critical=0.6),
+    "reward_shift": SignalThreshold(warning=0.3),
+    "length_inflation": SignalThreshold(warning=1.5),
+    "truncation_rate": SignalThreshold(warning=0.25, critical=0.5, min_rise=0.3),
+    "diversity_collapse": SignalThreshold(warning=0.5, critical=0.75, min_samples=4),
+    "entropy_drop": SignalThreshold(warning=0.8),
+    "hack_rate": SignalThreshold(warning=0.1, critical=0.5, min_rise=0.3),
+    "infra_error_rate": SignalThreshold(warning=0.1, critical=0.5, min_samples=8),
+    "eval_accuracy_drop": SignalThreshold(warning=0.2, min_samples=4),
+    "kl": SignalThreshold(warning=1.0, min_samples=1),
+    "entropy_collapse": SignalThreshold(warning=0.8, min_samples=1),
+}
+"""Default thresholds (README "Drift monitoring" says why each)."""
+
+
+def check_overrides(v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``v`` (``{signal: {field: value}}``) validated: known signals and fields, each partial override valid.
+
+    Raises:
+        ValueError: an unknown signal or field, or a value :class:`SignalThreshold` refuses (named).
+    """
+    for sig, over in v.items():
+        if sig not in SIGNALS:
+            raise ValueError(f"unknown signal {sig!r}; known: {sorted(SIGNALS)}")
+        if not isinstance(over, dict):
+            raise ValueError(f"{sig}: expected a mapping of {list(THRESHOLD_FIELDS)}")
+        bad = sorted(set(over) - set(THRESHOLD_FIELDS))
+        if bad:
+            raise ValueError(f"{sig}: unknown field(s) {bad}; known: {list(THRESHOLD_FIELDS)}")
+        SignalThreshold.model_validate({**DEFAULT_THRESHOLDS[sig].model_dump(), **over})
+    return v
+
+
+class BreakerConfig(BaseModel):
+    """The per-domain circuit breaker (``monitor.breaker``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    cooldown_s: float = Field(60.0, gt=0, le=86_400)
+    """Seconds an opened breaker waits before it goes half-open and issues a probe."""
+    max_cooldown_s: float = Field(900.0, gt=0, le=864_000)
+    """The cool-down doubles after each failed probe, up to this (seconds)."""
+    probe_groups: int = Field(2, ge=1, le=64)
+    """Training groups of a half-open domain's probe (scored and judged, never trained)."""
+    probe_timeout_s: float = Field(600.0, gt=0, le=86_400)
+    """A probe whose groups have not all been scored this long after issue counts as failed (seconds)."""
+
+
+class MonitorConfig(BaseModel):
+    """The drift monitor (section ``monitor``): per-domain windows over flywheel.rewards and the trainer's
+    metrics, alerts on flywheel.alerts, a circuit breaker per domain (``scheduler_service.monitor``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = True
+    window: int = Field(32, ge=4, le=100_000)
+    """Current window: the domain's latest training samples (signals compare it with the reference)."""
+    reference: int = Field(64, ge=4, le=100_000)
+    """Reference window: the samples just before the current window (frozen when the breaker opens)."""
+    min_samples: int = Field(16, ge=1, le=100_000)
+    """Smallest current and reference window a signal is judged on (per signal: ``min_samples``)."""
+    group_window: int = Field(8, ge=1, le=10_000)
+    """Completed groups the diversity signal looks at."""
+    consistency_pairs: int = Field(1024, ge=0, le=1_000_000)
+    """(task, completion) pairs remembered per domain for ``scorer_inconsistency`` (0 = off)."""
+    signals: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Run-wide threshold overrides per signal, over :data:`DEFAULT_THRESHOLDS` (fields of
+    :class:`SignalThreshold`)."""
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    pause_training_on_critical: bool = True
+    """A critical run-wide signal (only if an operator makes ``kl`` or ``entropy_collapse`` critical) pauses
+    training."""
+
+    @field_validator("signals")
+    @classmethod
+    def _known(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        return check_overrides(v)
+
+
 class DomainConfig(BaseModel):
     """One domain as the scheduler runs it (YAML ``domains.<name>``, ``PUT /v1/domains/{name}``).
 
@@ -133,6 +251,15 @@ class DomainConfig(BaseModel):
     """``max_new_tokens`` of this domain's requests (``None``: ``scheduler.max_tokens``)."""
     budget: DomainBudget = Field(default_factory=DomainBudget)
     lifecycle: LifecycleConfig = Field(default_factory=LifecycleConfig)
+    temperature: float | None = Field(None, ge=0.0, le=10.0)
+    """Sampling temperature of this domain's training groups (``None``: ``scheduler.temperature``)."""
+    monitor: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Threshold overrides of the drift monitor for this domain, per signal (over ``monitor.signals``)."""
+
+    @field_validator("monitor")
+    @classmethod
+    def _known_signals(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        return check_overrides(v)
 
     @model_validator(mode="after")
     def _levels(self) -> "DomainConfig":
@@ -228,6 +355,7 @@ class SchedulerSettings(Settings):
 
     budget: BudgetConfig = BudgetConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    monitor: MonitorConfig = MonitorConfig()
     domains: dict[str, DomainConfig] = Field(default_factory=dict)
     """Domains by name. Applied at start: a domain the registry does not know, or whose entry here changed
     since it was last applied, takes this config; otherwise the registry's (REST changes) is kept."""

@@ -72,6 +72,8 @@ class IssuePlanner:
         """Domains stopped by a budget cap, with the cap that binds."""
         self.room: dict[str, float] = {}
         """Training samples each capped domain may still be issued in this pass."""
+        self.blocked: set[str] = set()
+        """Domains whose circuit breaker is not closed (kept by ``scheduler_service.guard.DriftGuard``)."""
         self._views: dict[str, DomainView] = {}
         self._views_at = 0.0
 
@@ -106,9 +108,9 @@ class IssuePlanner:
         return room, why
 
     def issuable(self) -> dict[str, DomainRow]:
-        """Domains that may get training groups now: active, not paused, weight > 0, under budget
-        (:attr:`room` holds the samples each capped one may still get)."""
-        rows = {d: r for d, r in self.registry.domain_rows().items() if r.issuable}
+        """Domains that may get training groups now: active, not paused, breaker closed, weight > 0, under
+        budget (:attr:`room` holds the samples each capped one may still get)."""
+        rows = {d: r for d, r in self.registry.domain_rows().items() if r.issuable and d not in self.blocked}
         capped = [r for r in rows.values() if r.config.budget.model_dump(exclude_none=True)]
         self.over_budget, self.room = {}, {}
         if capped:

@@ -149,6 +149,33 @@ class StatusPublic(BaseModel):
     """Domains per status (see ``GET /v1/domains``)."""
     paused_domains: dict[str, str] = Field(default_factory=dict)
     """Domains whose training groups are not issued, with the reason (resume: ``POST /v1/domains/{d}/resume``)."""
+    alerts: dict[str, Any] = Field(default_factory=dict)
+    """Drift alerts firing now: ``active`` (count), ``critical``, ``warning``, ``info`` (counts) and ``firing``
+    (their keys, ``<domain>/<signal>``); the records: ``GET /v1/alerts``."""
+    breakers: dict[str, str] = Field(default_factory=dict)
+    """Domains whose circuit breaker is not closed, with its state (``open``, ``half_open``)."""
+    training_paused: dict[str, Any] | None = None
+    """Set while training is paused run-wide: ``reason``, ``since``, ``by``."""
+
+
+class ControlBody(BaseModel):
+    """``POST /v1/control``: one operator command, the fields of a ``flywheel.control`` record
+    (``shared.schemas.Control``; ``domain_state`` is the scheduler's own and is refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+    command: Literal["pause_domain", "resume_domain", "open_breaker", "close_breaker", "set_threshold",
+                     "pause_training", "resume_training"]
+    domain: str | None = Field(None, min_length=1, max_length=256)
+    signal: str | None = Field(None, min_length=1, max_length=64)
+    threshold: dict[str, float | bool | None] | None = None
+    reason: str = Field("", max_length=1000)
+
+
+class AlertsPublic(BaseModel):
+    """``GET /v1/alerts``: the alerts firing now and the newest records (firing and resolved), newest first."""
+
+    active: list[dict[str, Any]]
+    recent: list[dict[str, Any]]
 
 
 class DomainPublic(BaseModel):
@@ -185,6 +212,11 @@ class DomainPublic(BaseModel):
     spend: dict[str, dict[str, float]]
     budget_left: dict[str, float]
     generator_error: str | None = None
+    breaker: dict[str, Any] = Field(default_factory=dict)
+    """The domain's circuit breaker: ``state`` (closed, open, half_open), ``since``, ``signal`` (what opened
+    it), ``trips``, ``manual``, ``cooldown_s``, ``probe_groups``, ``probe_deadline``."""
+    alerts: list[str] = Field(default_factory=list)
+    """Signals of the domain's alerts firing now (``<signal>:<severity>``)."""
 
 
 class DomainDetail(DomainPublic):

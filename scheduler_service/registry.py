@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import orjson
 
 from scheduler_service.config import DomainConfig
+from scheduler_service.monitor_store import MONITOR_SCHEMA, MonitorTables
 from scheduler_service.domains import DOMAIN_SCHEMA, TASK_COLUMNS, DomainTables, content_key, level_of
 from shared.config import RunConfig
 from shared.groups import SampleOutcome, is_unsolved, resample_wanted
@@ -85,7 +86,7 @@ CREATE TABLE IF NOT EXISTS eval_rounds (
     n_items INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-""" + DOMAIN_SCHEMA
+""" + DOMAIN_SCHEMA + MONITOR_SCHEMA
 
 _INDEXES = """
 CREATE INDEX IF NOT EXISTS tasks_pick ON tasks (domain, level, groups_issued, rnd) WHERE split = 'train' AND retired = 0;
@@ -123,6 +124,8 @@ class IssuedGroup:
     """Rollout pool of the request: the task's ``pool``, else its domain's."""
     max_tokens: int | None = None
     """The domain's ``max_new_tokens`` (``None``: the scheduler's)."""
+    temperature: float | None = None
+    """The domain's training temperature (``None``: the scheduler's)."""
 
     @cached_property
     def task(self) -> Task:
@@ -190,7 +193,7 @@ def _add_columns(db: sqlite3.Connection, table: str, columns: dict[str, str]) ->
                     raise
 
 
-class Registry(DomainTables):
+class Registry(DomainTables, MonitorTables):
     """Tasks, groups, counted rewards, eval rounds, domains and key/values in one SQLite file.
 
     Thread-safe (one connection under a lock). Times are Unix seconds.
@@ -378,15 +381,15 @@ class Registry(DomainTables):
         )
         return [r["task_id"] for r in rows]
 
-    def learnable_train_tasks(self) -> list[tuple[str, float]]:
+    def learnable_train_tasks(self, domains: set[str] | None = None) -> list[tuple[str, float]]:
         """``(task_id, pass_rate)`` of train tasks with a pass rate strictly between 0 and 1 and no
-        group in flight, sorted by id."""
+        group in flight, sorted by id; only of ``domains`` when given."""
         rows = self._all(
-            "SELECT t.task_id, CAST(t.passes AS REAL) / t.samples AS p FROM tasks t WHERE t.split = 'train'"
+            "SELECT t.task_id, t.domain, CAST(t.passes AS REAL) / t.samples AS p FROM tasks t WHERE t.split = 'train'"
             " AND t.retired = 0 AND t.samples > 0 AND t.passes > 0 AND t.passes < t.samples AND NOT EXISTS"
             ' (SELECT 1 FROM "groups" g WHERE g.task_id = t.task_id AND g.state = \'issued\') ORDER BY t.task_id'
         )
-        return [(r["task_id"], float(r["p"])) for r in rows]
+        return [(r["task_id"], float(r["p"])) for r in rows if domains is None or r["domain"] in domains]
 
     # ------------------------------------------------------------ groups
 
@@ -431,7 +434,7 @@ class Registry(DomainTables):
         d = self._domains.get(task["domain"])
         pool = task.get("pool") or (d.config.pool if d else "default")
         return IssuedGroup(gid, payload, purpose, attempt, n, eval_round, mpv, task["task_id"], task["domain"], pool,
-                           d.config.max_tokens if d else None)
+                           d.config.max_tokens if d else None, d.config.temperature if d else None)
 
     def next_train_tasks(self, wanted: dict[str, tuple[int, int]]) -> dict[str, list[tuple[str, int, int]]]:
         """The next training tasks of each domain at a level: ``{domain: (level, k)}`` →
@@ -724,6 +727,14 @@ class Registry(DomainTables):
             "done": g["finished"] == g["total"],
             "created_at": r["created_at"],
         }
+
+    def eval_accuracy_by_domain(self, round_id: int) -> dict[str, tuple[int, int]]:
+        """``{domain: (correct, completed)}`` of one eval round (scored items, infra errors left out)."""
+        rows = self._all(
+            'SELECT g.domain AS d, COUNT(*) AS completed, COALESCE(SUM(r.passed), 0) AS correct FROM rewards r'
+            ' JOIN "groups" g ON g.group_id = r.group_id WHERE g.eval_round = ? AND r.counted = 1'
+            " AND r.infra_error = 0 GROUP BY g.domain", round_id)
+        return {r["d"]: (int(r["correct"]), int(r["completed"])) for r in rows if r["d"] is not None}
 
     def eval_rounds(self) -> list[dict[str, Any]]:
         """Summaries of every eval round, oldest first."""

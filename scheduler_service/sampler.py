@@ -36,6 +36,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from opentelemetry import trace
 
 from scheduler_service.config import SchedulerSettings
+from scheduler_service.guard import DriftGuard
 from scheduler_service.issuing import IssuePlanner, TaskMaker
 from scheduler_service.registry import IssuedGroup, Registry
 from scheduler_service.stats import Stats
@@ -90,6 +91,7 @@ class Sampler:
         self.rng = random.Random(self.cfg.scheduler.seed)
         self.planner = IssuePlanner(config, registry)
         self.maker = TaskMaker(config, registry)
+        self.guard = DriftGuard(config, registry, producer, self.planner.blocked)
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._making: asyncio.Task | None = None
@@ -130,11 +132,13 @@ class Sampler:
         self._task = None
 
     async def _run(self) -> None:
+        await self.guard.announce_all()
         await self._first_tasks()
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._issue_loop())
             tg.create_task(self._restarting(self._rewards_loop))
             tg.create_task(self._restarting(self._watch_loop))
+            tg.create_task(self._restarting(self._control_loop))
 
     async def _restarting(self, loop) -> None:
         """Run a consumer loop until stopped, restarting it after a failure (broker down, ...)."""
@@ -179,6 +183,7 @@ class Sampler:
         pending = self.registry.take_pending(sc.group_deadline_s)
         if pending:
             await self._send(pending)
+        await self.guard.tick(self._issue_probe)
         if self.training_allowed():
             await self._issue_training()
         self._make_tasks()
@@ -215,12 +220,21 @@ class Sampler:
         except Exception as e:
             log.warning("publishing %d generated tasks failed: %r", len(tasks), e)
 
+    async def _issue_probe(self, task_ids: list[str]) -> list[IssuedGroup]:
+        """Write and send one training group per task id: a half-open breaker's probe."""
+        groups = self.registry.issue_train_groups(task_ids, self.cfg.scheduler.group_deadline_s)
+        await self._send(groups)
+        return groups
+
     def training_allowed(self) -> bool:
-        """False while the pre-training evaluation (round 0) is outstanding.
+        """False while training is paused run-wide (``pause_training``) or the pre-training evaluation
+        (round 0) is outstanding.
 
         Round 0 is created here at policy version 0 when ``eval_before_training`` is set, eval
         tasks exist, no round exists and no training group was issued yet.
         """
+        if self.guard.training_paused:
+            return False
         if not self.cfg.scheduler.eval_before_training:
             return True
         r0 = self.registry.eval_round(0)
@@ -268,7 +282,7 @@ class Sampler:
         """Up to ``replay_fraction · budget`` (stochastically rounded) partly solved tasks, drawn
         without replacement with weight p(1 − p)."""
         n = int(budget * self.cfg.scheduler.replay_fraction + self.rng.random())
-        cands = self.registry.learnable_train_tasks()
+        cands = self.registry.learnable_train_tasks(set(self.planner.issuable()))
         picks: list[str] = []
         while cands and len(picks) < n:
             i = self.rng.choices(range(len(cands)), weights=[p * (1 - p) for _, p in cands])[0]
@@ -281,7 +295,8 @@ class Sampler:
         sc = self.cfg.scheduler
         greedy = g.purpose == "eval"
         sampling = SamplingParams(max_new_tokens=g.max_tokens or sc.max_tokens,
-                                  temperature=0.0 if greedy else sc.temperature)
+                                  temperature=0.0 if greedy else (sc.temperature if g.temperature is None
+                                                                  else g.temperature))
         head = {"schema": RolloutRequest.SCHEMA, "schema_version": RolloutRequest.VERSION, "group_id": g.group_id,
                 "n": g.n, "sampling": sampling.model_dump(mode="json"), "purpose": g.purpose, "attempt": g.attempt,
                 "min_policy_version": g.min_policy_version, "eval_round": g.eval_round, "issued_at": time.time()}
@@ -310,9 +325,11 @@ class Sampler:
 
     # ------------------------------------------------------------ consuming
 
-    async def _consume(self, consumer: AIOKafkaConsumer, handle, commit: bool) -> None:
+    async def _consume(self, consumer: AIOKafkaConsumer, handle, commit: bool, on_start=None) -> None:
         await consumer.start()
         try:
+            if on_start is not None:
+                await on_start(consumer)
             while not self._stop.is_set():
                 batch = await consumer.getmany(timeout_ms=int(self.cfg.scheduler.poll_interval_s * 1000) + 50,
                                                max_records=500)
@@ -369,6 +386,9 @@ class Sampler:
                                                                            ev.task_id):
             log.error("ALERT domain %r paused: the verifier reports its spec is broken (task %s: %s); fix the tasks, "
                       "then POST /v1/domains/%s/resume", ev.domain, ev.task_id, ev.reason, ev.domain)
+            await self.guard.announce(ev.domain)
+        if outcome.counted:
+            await self.guard.on_reward(ev)
         self.stats.on_reward(ev, outcome, self.registry.policy_version)
         if outcome.completed:
             log.info("group %s complete", ev.group_id)
@@ -395,3 +415,22 @@ class Sampler:
             m = await decode_or_dead_letter(self.producer, msg, Metrics, self.name)
             if m is not None:
                 self.stats.on_metrics(m)
+                await self.guard.on_metrics(m)
+
+    async def _control_loop(self) -> None:
+        # a new deployment starts at the end: commands sent to an earlier run on this broker are not ours
+        consumer = make_consumer(self.cfg.kafka, topics.CONTROL, group_id=f"{self.cfg.scheduler.consumer_group}-control",
+                                 client_id="scheduler-control", offset_reset="latest")
+        await self._consume(consumer, self.guard.on_control, commit=True, on_start=self._control_positioned)
+
+    async def _control_positioned(self, consumer: AIOKafkaConsumer) -> None:
+        """Wait for the control consumer's partitions and resolve its start offsets, then set
+        ``guard.control_ready`` (records sent after that are applied)."""
+        while not consumer.assignment() and not self._stop.is_set():
+            batch = await consumer.getmany(timeout_ms=100, max_records=1)  # joins the group
+            for msgs in batch.values():
+                for msg in msgs:
+                    await self.guard.on_control(msg)
+        for tp in consumer.assignment():
+            await consumer.position(tp)
+        self.guard.control_ready.set()

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
 from scheduler_service.config import SchedulerSettings
+from scheduler_service.guard import DriftGuard
 from scheduler_service.registry import Registry
 from scheduler_service.sampler import Sampler
 from scheduler_service.stats import Stats
 from shared import topics
 from shared.kafka import ensure_topics, make_producer, send
-from shared.schemas import Task
+from shared.schemas import Control, Task
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,25 @@ class SchedulerState:
         self.stats = Stats(config.scheduler.status_window_s, config.scheduler.recent_samples)
         self.producer: AIOKafkaProducer | None = None
         self.sampler: Sampler | None = None
+        self._guard: DriftGuard | None = None
         self._background: set[asyncio.Task] = set()
+
+    @property
+    def guard(self) -> DriftGuard:
+        """The sampler's drift guard; without Kafka, one that publishes nothing (REST-only use)."""
+        if self.sampler is not None:
+            return self.sampler.guard
+        if self._guard is None:
+            self._guard = DriftGuard(self.config, self.registry, None)
+        return self._guard
+
+    async def control(self, ctrl: Control) -> dict[str, Any]:
+        """Apply an operator command now and publish it on flywheel.control (when Kafka is on).
+
+        Raises:
+            scheduler_service.guard.ControlError: unknown domain or refused thresholds.
+        """
+        return await self.guard.apply(ctrl, publish=True)
 
     async def start(self) -> None:
         """Apply the config's ``domains`` to the registry; create topics (the default ones and each

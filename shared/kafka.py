@@ -40,9 +40,11 @@ def make_producer(cfg: KafkaConfig, client_id: str = "flywheel") -> AIOKafkaProd
 
 
 def make_consumer(
-    cfg: KafkaConfig, *topic_names: str, group_id: str | None, client_id: str = "flywheel"
+    cfg: KafkaConfig, *topic_names: str, group_id: str | None, client_id: str = "flywheel",
+    offset_reset: str = "earliest",
 ) -> AIOKafkaConsumer:
-    """A manual-commit consumer starting from committed or earliest offsets (not started).
+    """A manual-commit consumer starting from committed offsets, else ``offset_reset`` (``earliest`` or
+    ``latest``; not started).
 
     With ``group_id=None`` the consumer has no group and no commits (e.g. every rollout replica
     reading every weight version).
@@ -53,7 +55,7 @@ def make_consumer(
         client_id=client_id,
         group_id=group_id,
         enable_auto_commit=False,
-        auto_offset_reset="earliest",
+        auto_offset_reset=offset_reset,
         fetch_max_wait_ms=cfg.fetch_max_wait_ms,
         max_partition_fetch_bytes=cfg.max_request_size,
         fetch_max_bytes=4 * cfg.max_request_size,

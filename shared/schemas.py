@@ -8,6 +8,7 @@ flywheel.dlq as a :class:`DeadLetter` with the reason (see ``shared.kafka``).
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any, ClassVar, Literal, TypeVar
 
 import orjson
@@ -329,6 +330,14 @@ class RewardEvent(Record):
     """What the sample cost, for the per-domain budgets: the trajectory's ``cost`` (``generated_tokens``,
     ``tool_rounds``, ``tool_seconds``) plus the verifier's ``sandbox_seconds`` (unit tests),
     ``judge_calls`` and ``verify_seconds``. Missing keys count 0."""
+    completion_hash: str | None = Field(None, max_length=64)
+    """16 hex digits of a hash of the completion text with whitespace runs collapsed and case folded
+    (the drift monitor's within-group diversity and scorer-consistency checks; ``None``: not known)."""
+    surprisal: float | None = Field(None, ge=0, allow_inf_nan=False)
+    """Mean −log-prob of the completion's generated tokens under the behaviour policy (nats per token): a
+    Monte Carlo estimate of the sampling policy's per-token entropy (``None``: no generated token)."""
+    hacks: list[str] = Field(default_factory=list, max_length=32)
+    """Reward-hacking detectors that fired on this sample (``verifier_service.hacks``)."""
 
 
 class TensorInfo(BaseModel):
@@ -404,24 +413,104 @@ class GroupDropped(Record):
     time: float = Field(default_factory=time.time)
 
 
+Severity = Literal["info", "warning", "critical"]
+"""How bad an :class:`Alert` is: ``critical`` opens the domain's circuit breaker (run-wide: it pauses
+training), ``warning`` is reported only, ``info`` marks breaker transitions and operator actions."""
+
+
 class Alert(Record):
-    """flywheel.alerts, key source. Producer: any service. Consumers: analytics, scheduler."""
+    """flywheel.alerts, key :attr:`key` (``<domain>/<signal>``, ``run/<signal>`` for run-wide signals).
+    Producer: the scheduler's drift monitor (``scheduler_service.monitor``). Consumers: analytics, CLI.
+
+    One record when a condition starts (``status: firing``) or changes severity, one when it ends
+    (``resolved``); nothing while it holds (deduplicated by :attr:`key`). Breaker transitions are alerts
+    of signal ``breaker`` (``open`` is critical; ``half_open``/``closed`` are info).
+    """
 
     SCHEMA: ClassVar[str] = "flywheel.Alert"
-    source: str
-    severity: Literal["info", "warning", "error"] = "warning"
-    message: str
+    source: str = "scheduler"
+    domain: str | None = None
+    """The domain the signal is about (``None``: run-wide, e.g. the trainer's KL)."""
+    signal: str = Field(min_length=1, max_length=64)
+    """Signal name (README "Drift monitoring"): ``pass_rate_jump``, ``truncation_rate``, ``breaker``..."""
+    status: Literal["firing", "resolved"] = "firing"
+    severity: Severity = "warning"
+    value: float | None = None
+    """The signal's value over the window (units per signal; README)."""
+    threshold: float | None = None
+    """The threshold the value crossed (for ``resolved``: the one it had crossed)."""
+    reference: float | None = None
+    """The same statistic over the reference window, when the signal compares two windows."""
+    window: int = Field(0, ge=0)
+    """Size of the window the value was computed over, in :attr:`window_unit`."""
+    window_unit: Literal["samples", "groups", "rounds", "steps"] = "samples"
+    policy_version: int = Field(0, ge=0)
+    """The scheduler's policy version when the alert was raised."""
+    message: str = Field(max_length=4096)
+    """One human sentence: what was seen, against what, and what happens now."""
     details: dict[str, Any] = Field(default_factory=dict)
     time: float = Field(default_factory=time.time)
 
+    @property
+    def key(self) -> str:
+        """Deduplication key and Kafka key: ``<domain>/<signal>`` or ``run/<signal>``."""
+        return f"{self.domain if self.domain is not None else 'run'}/{self.signal}"
+
+
+ControlCommand = Literal["pause_domain", "resume_domain", "open_breaker", "close_breaker", "set_threshold",
+                         "pause_training", "resume_training", "domain_state"]
+"""Operator commands, plus ``domain_state``: the scheduler's announcement of whether a domain trains."""
+_DOMAIN_COMMANDS = {"pause_domain", "resume_domain", "open_breaker", "close_breaker", "domain_state"}
+
 
 class Control(Record):
-    """flywheel.control, key target service. Producer: CLI/scheduler. Consumers: every service."""
+    """flywheel.control, key the domain (``run`` for run-wide commands).
+
+    Producers: operators (CLI, or any Kafka client), the scheduler (its REST control routes publish the
+    command here and apply it when they read it back; it announces every change of a domain's
+    trainability as ``domain_state``). Consumers: the scheduler (group ``<scheduler.consumer_group>-control``:
+    applies commands, durably, then commits), the trainer (folds ``domain_state`` and
+    ``pause_training``/``resume_training`` from the earliest offset: which domains' groups it drops, and
+    whether it steps).
+
+    - ``pause_domain``/``resume_domain``: stop/restart issuing the domain's training groups (the trainer
+      drops its groups in flight, ``domain_paused``).
+    - ``open_breaker``: force the domain's breaker open (no automatic probe until ``close_breaker``).
+    - ``close_breaker``: close it now (the monitor's windows restart from the pre-trip reference).
+    - ``set_threshold``: override ``signal``'s thresholds (``threshold``: any of ``warning``, ``critical``,
+      ``min_rise``, ``min_samples``, ``enabled``) run-wide, or for ``domain`` when given.
+    - ``pause_training``/``resume_training``: run-wide: no training groups are issued and the trainer
+      takes no step (its last checkpoint stays the newest); evaluation goes on.
+    - ``domain_state`` (scheduler only): ``trainable`` false with ``reason`` ``circuit_open`` or
+      ``domain_paused``, or true.
+    """
 
     SCHEMA: ClassVar[str] = "flywheel.Control"
-    target: str = "all"
-    command: Literal["pause", "resume", "stop"]
-    reason: str = ""
+    command: ControlCommand
+    domain: str | None = Field(None, min_length=1, max_length=256)
+    signal: str | None = Field(None, min_length=1, max_length=64)
+    threshold: dict[str, float | bool | None] | None = None
+    trainable: bool | None = None
+    reason: str = Field("", max_length=1000)
+    origin: str = Field("operator", min_length=1, max_length=64)
+    """Who sent it (``operator``, ``cli``, ``rest``, ``scheduler``)."""
+    control_id: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=1, max_length=64)
+    time: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _fields(self) -> "Control":
+        if self.command in _DOMAIN_COMMANDS and self.domain is None:
+            raise ValueError(f"domain: required by command {self.command!r}")
+        if self.command == "set_threshold" and (self.signal is None or not self.threshold):
+            raise ValueError("signal and threshold: required by command 'set_threshold'")
+        if self.command == "domain_state" and self.trainable is None:
+            raise ValueError("trainable: required by command 'domain_state'")
+        return self
+
+    @property
+    def key(self) -> str:
+        """Kafka key: the domain, or ``run``."""
+        return self.domain or "run"
 
 
 class DeadLetter(Record):

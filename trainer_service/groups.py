@@ -3,12 +3,14 @@
 Pure bookkeeping, no Kafka or torch: the service feeds records in and asks which groups are ready,
 which groups were dropped since it last asked (:meth:`GroupBuffer.take_drops`: each is announced on
 flywheel.group_drops so the scheduler gives its slot back) and which offset per partition is safe to
-commit (the oldest record not yet trained or dropped, DESIGN.md "Delivery semantics").
+commit (the oldest record not yet trained or dropped, DESIGN.md "Delivery semantics"). Besides staleness,
+the buffer drops the ready groups of domains flywheel.control blocks (:meth:`GroupBuffer.drop_blocked`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from shared.groups import SampleOutcome, is_unsolved, resample_wanted
@@ -16,8 +18,12 @@ from shared.schemas import ScoredTrajectory
 
 Partition = tuple[str, int]  # (topic, partition)
 
-DROP_REASONS = {"dropped_stale": "stale", "dropped_failed": "failed", "superseded_unsolved": "superseded_unsolved"}
+DROP_REASONS = {"dropped_stale": "stale", "dropped_failed": "failed", "superseded_unsolved": "superseded_unsolved",
+                "dropped_circuit_open": "circuit_open", "dropped_domain_paused": "domain_paused"}
 """Counter name of each way a group leaves the buffer untrained -> ``GroupDropped.reason``."""
+
+BLOCK_COUNTERS = {"circuit_open": "dropped_circuit_open", "domain_paused": "dropped_domain_paused"}
+"""Why a domain is blocked (:meth:`GroupBuffer.drop_blocked`) -> the counter of the groups dropped for it."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,15 @@ class Group:
         (``Registry.record_reward`` with ``budget.resample_unsolved``)."""
         return is_unsolved(SampleOutcome(s.reward.total, s.reward.passed, s.reward.infra_error)
                            for s in self.samples.values())
+
+    @property
+    def domain(self) -> str:
+        """The task domain of its samples (a group is one task, so they share it).
+
+        Raises:
+            StopIteration: the group has no sample yet (a ready group always has one).
+        """
+        return next(iter(self.samples.values())).trajectory.task.domain
 
     @property
     def behaviour_version(self) -> int:
@@ -137,6 +152,36 @@ class GroupBuffer:
         self.ready = keep
         return dropped
 
+    def drop_blocked(self, blocked: Mapping[str, str]) -> int:
+        """Drop the ready groups whose :attr:`Group.domain` is a key of ``blocked`` (domain -> reason,
+        ``circuit_open`` or ``domain_paused``: :attr:`trainer_service.control.ControlState.blocked`); each
+        is announced by :meth:`take_drops` with that reason and counted ``dropped_<reason>``.
+
+        Partial groups are left alone: call this every pass and a group of a blocked domain is dropped
+        on the pass it completes. Groups already taken for a step (in flight) are not touched.
+
+        Returns:
+            How many groups were dropped.
+
+        Raises:
+            ValueError: a reason is neither ``circuit_open`` nor ``domain_paused`` (nothing is dropped).
+        """
+        if not blocked:
+            return 0
+        bad = {r for r in blocked.values() if r not in BLOCK_COUNTERS}
+        if bad:
+            raise ValueError(f"unknown block reasons {sorted(bad)}: expected one of {sorted(BLOCK_COUNTERS)}")
+        keep, dropped = [], 0
+        for g in self.ready:
+            reason = blocked.get(g.domain)
+            if reason is None:
+                keep.append(g)
+            else:
+                self._finish(g, BLOCK_COUNTERS[reason])
+                dropped += 1
+        self.ready = keep
+        return dropped
+
     def take(self, n: int, prefer_informative: bool = False) -> list[Group]:
         """Remove and return ``n`` ready groups (fewer if not enough): the oldest, or with
         ``prefer_informative`` the oldest groups whose rewards differ, then the oldest others.
@@ -157,7 +202,8 @@ class GroupBuffer:
             self._finish(g, "trained_groups")
 
     def take_drops(self) -> list[Drop]:
-        """The groups dropped (stale, failed, superseded) since the last call, oldest first; clears them.
+        """The groups dropped (stale, failed, superseded, blocked domain) since the last call, oldest first;
+        clears them.
 
         The caller must have them acknowledged on flywheel.group_drops before it commits
         :meth:`commit_offsets` (which already releases their records), or a crash loses the notice.

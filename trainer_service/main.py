@@ -1,12 +1,16 @@
 """Trainer service: consume scored trajectories, step on complete groups, publish weight versions.
 
-Loop: ``getmany`` → buffer records into groups → (drop stale) → announce every group dropped
-(stale, failed, superseded) on flywheel.group_drops and wait for the acks, so the scheduler gives
-its slot back → when ``budget.batch_groups`` groups are ready, one optimizer step in a worker thread →
+Loop: ``getmany`` → buffer records into groups → fold what flywheel.control has fetched, without
+waiting (:mod:`trainer_service.control`) → (drop stale; drop the ready groups of the domains it blocks,
+``circuit_open`` or ``domain_paused``) → announce every group dropped (stale, failed, superseded,
+blocked) on flywheel.group_drops and wait for the acks, so the scheduler gives its slot back → unless
+``pause_training`` is in force (then no step: records are still buffered and what is safe committed),
+when ``budget.batch_groups`` groups are ready, one optimizer step in a worker thread →
 snapshot weights and state → (in the background, in version order: :class:`Publisher`) write the
 version's weights, announce it on flywheel.weights, write the trainer state, send the step's metrics
 on flywheel.metrics, and only then release the trained groups' offsets → commit, per partition, the
 oldest offset not yet trained-and-durable or dropped. One pass of this loop is :meth:`TrainLoop.turn`.
+Before the first pass the trainer reads flywheel.control to its end, so a restart obeys what was sent.
 
 Writing a checkpoint overlaps the next optimizer step. A version is announced as soon as its
 weights are durable (~1 s for SmolLM2 here), before the optimizer state (~1.5 s more): rollout
@@ -31,6 +35,7 @@ from shared.checkpoint import CheckpointStore, load_weights, snapshot_weights
 from shared.model import load_model, load_tokenizer, resolve_model_dir
 from shared.schemas import GroupDropped, Metrics, ScoredTrajectory
 from trainer_service.config import TrainerSettings
+from trainer_service.control import ControlState, poll_control, read_control_to_end
 from trainer_service.groups import Group, GroupBuffer
 from trainer_service.trainer import PolicyTrainer
 
@@ -87,21 +92,26 @@ async def run(config: TrainerSettings, stop: asyncio.Event | None = None) -> Non
     await kafka.ensure_topics(config.kafka)
     producer = kafka.make_producer(config.kafka, "trainer")
     consumer = kafka.make_consumer(config.kafka, topics.SCORED, group_id="trainer", client_id="trainer")
+    # no group, from the earliest offset: every start folds the whole topic
+    control_consumer = kafka.make_consumer(config.kafka, topics.CONTROL, group_id=None, client_id="trainer-control")
     publisher = Publisher(config, store, buffer, producer, await _broadcaster(config))
     await producer.start()
     latest = store.newest_published()
     if latest is not None:  # re-announce: the broker may have lost the record (or it was never sent)
         await (await kafka.send(producer, topics.WEIGHTS, latest, latest.model))
     await consumer.start()
-    loop = TrainLoop(config, trainer, buffer, consumer, producer, publisher)
+    control = ControlState()
     try:
+        await control_consumer.start()
+        await read_control_to_end(control_consumer, producer, control)
+        loop = TrainLoop(config, trainer, buffer, consumer, producer, publisher, control_consumer, control)
         while not stop.is_set():
             await loop.turn()
         await loop.drain()  # graceful stop: finish announcing what was trained
     except asyncio.CancelledError:
         raise
     finally:
-        await asyncio.wait_for(_close(consumer, producer), timeout=15)
+        await asyncio.wait_for(_close(consumer, control_consumer, producer), timeout=15)
         log.info("trainer stopped at policy version %d", trainer.version)
 
 
@@ -128,26 +138,45 @@ class TrainLoop:
         consumer: a started consumer of flywheel.scored (manual commits).
         producer: a started producer (drops, dead letters).
         publisher: makes each step durable and announces it, in version order.
+        control_consumer: a started consumer of flywheel.control (no group), polled without waiting each
+            turn; ``None``: nothing is polled (``control`` stays as given).
+        control: the fold of flywheel.control so far (:func:`trainer_service.control.read_control_to_end`);
+            ``None``: a fresh :class:`ControlState` (nothing blocked, not paused).
     """
 
     def __init__(self, config: TrainerSettings, trainer: PolicyTrainer, buffer: GroupBuffer, consumer,
-                 producer, publisher: "Publisher") -> None:
+                 producer, publisher: "Publisher", control_consumer=None, control: ControlState | None = None) -> None:
         self.config, self.trainer, self.buffer = config, trainer, buffer
         self.consumer, self.producer, self.publisher = consumer, producer, publisher
+        self.control_consumer = control_consumer
+        self.control = control if control is not None else ControlState()
         self.publishing: asyncio.Task | None = None
         self.last_step_end = self.last_report = time.perf_counter()
+        self.pause_logged = False  # the current pause has been reported
 
     async def turn(self) -> None:
-        """Intake (≤ 200 ms long-poll), drops, at most one step, then commit what is durable."""
-        budget, buffer = self.config.budget, self.buffer
+        """Intake (≤ 200 ms long-poll), control (no wait), drops, at most one step (none while training
+        is paused), then commit what is durable.
+
+        Control is folded after the intake and before the drops and :meth:`GroupBuffer.take`, so a group
+        of a domain blocked by a record fetched before this point is never trained.
+        """
+        budget, buffer, control = self.config.budget, self.buffer, self.control
         await self._intake()
+        if self.control_consumer is not None:
+            await poll_control(self.control_consumer, self.producer, control)
         training = self.trainer.version < budget.max_steps
         if training:
             buffer.drop_stale(self.trainer.version)
+            buffer.drop_blocked(control.blocked)
         if buffer.has_drops:
             await _announce_drops(self.producer, buffer, self.trainer.version)
+        if not control.training_paused:
+            self.pause_logged = False
         if training:
-            if len(buffer.ready) >= budget.batch_groups:
+            if control.training_paused:
+                self._report_pause()
+            elif len(buffer.ready) >= budget.batch_groups:
                 await self._step()
             else:
                 self._report_stall()
@@ -175,12 +204,20 @@ class TrainLoop:
         if offsets and not self.buffer.has_drops:
             await self.consumer.commit(offsets)
 
+    def _report_pause(self) -> None:
+        if not self.pause_logged:
+            self.pause_logged = True
+            log.warning("training paused (flywheel.control): no step at policy version %d, %d groups ready",
+                        self.trainer.version, len(self.buffer.ready))
+        self._report_stall()
+
     def _report_stall(self) -> None:
         now = time.perf_counter()
         if now - max(self.last_step_end, self.last_report) > self.config.trainer.stall_report_s:
             self.last_report = now
-            log.warning("no step for %.0f s at policy version %d (assigned %s): %s", now - self.last_step_end,
-                        self.trainer.version, sorted(self.consumer.assignment()), self.buffer.describe())
+            paused = ", training paused by flywheel.control" if self.control.training_paused else ""
+            log.warning("no step for %.0f s at policy version %d (assigned %s%s): %s", now - self.last_step_end,
+                        self.trainer.version, sorted(self.consumer.assignment()), paused, self.buffer.describe())
 
     async def _step(self) -> None:
         """Train one step now; its publication runs in the background after the previous one's."""
@@ -195,7 +232,8 @@ class TrainLoop:
         weights, state = await asyncio.to_thread(lambda: (snapshot_weights(trainer.model), trainer.state_dict(done)))
         metrics["time/snapshot_s"] = time.perf_counter() - t0
         metrics["time/wait_for_data_s"] = wait_s
-        for k in ("dropped_stale", "dropped_failed", "duplicates_skipped", "superseded_unsolved"):
+        for k in ("dropped_stale", "dropped_failed", "dropped_circuit_open", "dropped_domain_paused",
+                  "duplicates_skipped", "superseded_unsolved"):
             metrics[f"train/{k}_total"] = float(buffer.counters[k])
         metrics["train/trained_groups_total"] = float(buffer.counters["trained_groups"] + len(groups))
         snap = StepSnapshot(groups, weights, state, metrics, trainer.version, trainer.step)

@@ -8,7 +8,10 @@ stateless; a redelivered trajectory is scored again and deduplicated downstream 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import math
+import re
 import time
 from typing import Any
 
@@ -96,7 +99,30 @@ def reward_event(traj: Trajectory, reward: Reward, verifier_cost: dict[str, floa
         reason=str(reward.details.get("reason"))[:500] if reward.infra_error else None,
         completion_tokens=len(traj.completion_ids), finish_reason=traj.finish_reason,
         policy_version=traj.behaviour_version, cost=sample_cost(traj, verifier_cost),
+        completion_hash=completion_hash(traj.completion_text), surprisal=surprisal(traj),
+        hacks=sorted(reward.details.get("hacks", {}))[:32],
     )
+
+
+_SPACE = re.compile(r"\s+")
+
+
+def completion_hash(text: str) -> str:
+    """16 hex digits of the BLAKE2b hash of ``text`` with whitespace runs collapsed to one space, ends
+    stripped and case folded: equal for completions that differ only in spacing or case."""
+    norm = _SPACE.sub(" ", text).strip().casefold()
+    return hashlib.blake2b(norm.encode("utf-8", "replace"), digest_size=8).hexdigest()
+
+
+def surprisal(traj: Trajectory) -> float | None:
+    """Mean −log-prob (nats) of ``traj``'s generated tokens (``loss_mask`` 1) under the behaviour policy,
+    ``None`` when it has none. At temperature 1 this is an unbiased estimate of the policy's per-token
+    entropy on the states visited."""
+    lps = [lp for lp, m in zip(traj.completion_logprobs, traj.loss_mask) if m]
+    if not lps:
+        return None
+    v = -sum(lps) / len(lps)
+    return max(0.0, v) if math.isfinite(v) else None
 
 
 class _Counters:

@@ -8,7 +8,7 @@ config refuses or a level whose generator does not build.
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, HTTPException, Path
 from fastapi.exceptions import RequestValidationError
@@ -54,6 +54,7 @@ def domain_views(state: SchedulerState, only: str | None = None) -> list[DomainP
     total_issued = sum(s["groups_issued"] for s in summary.values()) or 0
     planner = state.sampler.planner if state.sampler else None
     maker = state.sampler.maker if state.sampler else None
+    guard = state.guard
     out = []
     for name in sorted(rows):
         row, s = rows[name], summary.get(name, {})
@@ -73,6 +74,8 @@ def domain_views(state: SchedulerState, only: str | None = None) -> list[DomainP
             work_seconds_per_group=work_per_group(train),
             spend=sp, budget_left=_budget_left(c, train),
             generator_error=None if maker is None or name not in maker.failed else "the generator failed (see the log)",
+            breaker=guard.monitor.breaker(name).to_dict(),
+            alerts=[f"{a.signal}:{a.severity}" for k, a in guard.monitor.active.items() if a.domain == name],
         ))
     return out
 
@@ -135,19 +138,32 @@ async def patch_domain(domain: DomainName, body: Annotated[dict[str, Any], Body(
 
 
 @router.post("/{domain}/pause", response_model=DomainPublic)
-def pause_domain(domain: DomainName, state: StateDep) -> DomainPublic:
-    """Stop issuing a domain's training groups (state ``paused``; evaluation goes on). Errors: 404."""
-    row = state.registry.domain(domain)
-    if row is None:
-        raise HTTPException(404, f"unknown domain {domain!r}")
-    state.registry.put_domain(domain, row.config.model_copy(update={"state": "paused"}))
+async def pause_domain(domain: DomainName, state: StateDep) -> DomainPublic:
+    """Stop issuing a domain's training groups (state ``paused``; evaluation goes on; the trainer drops its
+    groups in flight). Errors: 404."""
+    from scheduler_service.routes.monitor import run_control
+
+    await run_control(state, {"command": "pause_domain", "domain": domain})
     return domain_views(state, domain)[0]
 
 
 @router.post("/{domain}/resume")
-def resume_domain(domain: DomainName, state: StateDep) -> dict[str, str]:
+async def resume_domain(domain: DomainName, state: StateDep) -> dict[str, str]:
     """Issue a paused domain's training groups again (after its tasks were fixed). Errors: 404 when the
     domain is not paused."""
-    if not state.registry.resume_domain(domain):
+    from scheduler_service.routes.monitor import run_control
+
+    if state.registry.domain(domain) is None or not (await run_control(
+            state, {"command": "resume_domain", "domain": domain}))["applied"]:
         raise HTTPException(404, f"domain {domain!r} is not paused")
     return {"domain": domain, "state": "resumed"}
+
+
+@router.post("/{domain}/breaker/{action}", response_model=DomainPublic, responses={404: {"description": "unknown"}})
+async def breaker(domain: DomainName, action: Literal["open", "close"], state: StateDep,
+                  reason: str = "") -> DomainPublic:
+    """Force the domain's circuit breaker open (no automatic probe until closed) or close it now. Errors: 404."""
+    from scheduler_service.routes.monitor import run_control
+
+    await run_control(state, {"command": f"{action}_breaker", "domain": domain, "reason": reason})
+    return domain_views(state, domain)[0]

@@ -34,7 +34,19 @@ def get_status(state: StateDep) -> StatusPublic:
         cost=_cost_totals(reg.spend()),
         domains=_domain_counts(state),
         paused_domains={d: v["reason"] for d, v in reg.paused_domains().items()},
+        alerts=_alert_counts(state),
+        breakers={d: b.state for d, b in state.guard.monitor.breakers.items() if b.state != "closed"},
+        training_paused=reg.training_pause(),
     )
+
+
+def _alert_counts(state) -> dict:
+    active = list(state.guard.monitor.active.values())
+    out = {"active": len(active), "critical": 0, "warning": 0, "info": 0}
+    for a in active:
+        out[a.severity] += 1
+    out["firing"] = [a.key for a in active]
+    return out
 
 
 def _cost_totals(spend: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import orjson
 import pytest
 
 from shared import topics
@@ -302,3 +303,108 @@ async def test_a_group_the_trainer_drops_gives_its_slot_back(make_config, kafka_
         assert await wait_for(lambda: state.registry.get_group(second.group_id)["state"] == "abandoned", 10.0)
         assert [r.group_id for r in await collect(requests, RolloutRequest, mine, want=1, timeout_s=1.0)] == []
         assert (await client.get("/v1/status")).json()["dropped_groups"] == {"stale": 1, "failed": 1}
+
+
+async def test_alerts_breaker_and_control_round_trip_through_the_broker(make_config, kafka_cfg, unique, running, task,
+                                                                        kafka_io):
+    """A domain whose scorer starts crediting everything trips its breaker: the alerts come out on
+    flywheel.alerts, the breaker's ``domain_state`` on flywheel.control, and no group of the domain is issued
+    until an operator's ``close_breaker`` record (sent on flywheel.control by a plain Kafka client) closes
+    it. A malformed control record goes to the DLQ and changes nothing."""
+    from shared.schemas import Alert, Control
+
+    producer, reader = kafka_io
+    dom = f"judged-{unique}"
+    ids = [f"{unique}-j{i}" for i in range(4)]
+    cfg = _cfg(make_config, kafka_cfg, unique)
+    cfg.monitor = cfg.monitor.model_copy(update={"window": 8, "reference": 8, "min_samples": 8})
+    cfg.budget.max_staleness = 8
+    requests = await reader(topics.ROLLOUT_REQUESTS)
+    alerts = await reader(topics.ALERTS)
+    controls = await reader(topics.CONTROL)
+    mine = lambda r: r.task.domain == dom  # noqa: E731
+    async with running(cfg) as (client, state):
+        await asyncio.wait_for(state.sampler.guard.control_ready.wait(), 30)
+        r = await client.post("/v1/tasks", json={"tasks": [task(t, domain=dom, samples_per_task=4) for t in ids]})
+        assert r.status_code == 202
+        backlog: list[RolloutRequest] = []
+
+        async def answer(n_groups, credit_all):
+            if len(backlog) < n_groups:
+                backlog.extend(await collect(requests, RolloutRequest, mine, want=n_groups - len(backlog), timeout_s=20))
+            assert len(backlog) >= n_groups, backlog
+            for req in backlog[:n_groups]:
+                for i in range(req.n):
+                    ans = ["a", "b", "c", "d"][i]
+                    ev = _reward(req, i, credit_all or ans == "a").model_copy(update={"completion_hash": ans})
+                    await _produce(producer, topics.REWARDS, ev, req.task.task_id)
+            del backlog[:n_groups]
+
+        await answer(4, False)  # 16 honest samples: the reference and a first window
+        await answer(3, True)
+        tripped = await wait_for(lambda: state.sampler.guard.monitor.breaker(dom).state == "open", 20)
+        assert tripped, state.sampler.guard.monitor.active
+        got = await collect(alerts, Alert, lambda a: a.domain == dom, want=2, timeout_s=20, settle_s=0.5)
+        kinds = {(a.signal, a.severity, a.status) for a in got}
+        assert ("breaker", "critical", "firing") in kinds, kinds
+        assert {("scorer_inconsistency", "critical", "firing"), ("pass_rate_jump", "critical", "firing")} & kinds, kinds
+        ds = await collect(controls, Control, lambda c: c.domain == dom and c.command == "domain_state"
+                           and c.trainable is False, want=1)
+        assert ds and ds[0].reason == "circuit_open" and ds[0].origin == "scheduler"
+        view = (await client.get(f"/v1/domains/{dom}")).json()
+        assert view["breaker"]["state"] == "open"
+        assert view["breaker"]["signal"] in ("scorer_inconsistency", "pass_rate_jump"), view["breaker"]
+        st = (await client.get("/v1/status")).json()
+        assert st["breakers"] == {dom: "open"} and st["alerts"]["critical"] >= 1
+        listed = (await client.get("/v1/alerts", params={"domain": dom})).json()
+        assert any(a["signal"] == "breaker" for a in listed["active"]) and listed["recent"]
+
+        # open: nothing more of the domain is issued (cool-down 60 s by default), even with slots free
+        issued_at_trip = state.registry.train_group_counts()[0]
+        wu = WeightUpdate(model=f"m-{unique}", version=5, step=5, manifest=[], checksum="sha256:x", path="/x")
+        await _produce(producer, topics.WEIGHTS, wu, wu.model)
+        assert await wait_for(lambda: state.registry.policy_version == 5, 20)
+        await asyncio.sleep(1.5)
+        assert state.registry.train_group_counts()[0] == issued_at_trip
+
+        # a malformed control record and a refused one change nothing; both go to the DLQ / the log
+        await producer.send_and_wait(topics.CONTROL, b"{not json", key=dom.encode())
+        bad = orjson.dumps({"schema": "flywheel.Control", "schema_version": 1, "command": "explode", "domain": dom})
+        await producer.send_and_wait(topics.CONTROL, bad, key=dom.encode())
+        dlq = await reader(topics.DLQ)
+        dead = await collect(dlq, DeadLetter, lambda d: d.source_topic == topics.CONTROL and dom in d.payload
+                             or d.payload == "{not json" and d.source_topic == topics.CONTROL, want=2, timeout_s=20)
+        assert len(dead) >= 2 and {d.consumer for d in dead} == {"scheduler"}
+        assert state.sampler.guard.monitor.breaker(dom).state == "open"
+
+        # an operator closes it over Kafka: issuing resumes
+        await _produce(producer, topics.CONTROL, Control(command="close_breaker", domain=dom, origin="cli"), dom)
+        closed = await wait_for(lambda: state.sampler.guard.monitor.breaker(dom).state == "closed", 20)
+        assert closed
+        ds = await collect(controls, Control, lambda c: c.domain == dom and c.command == "domain_state"
+                           and c.trainable is True, want=1)
+        assert ds
+        got = await collect(alerts, Alert, lambda a: a.domain == dom and a.signal == "breaker"
+                            and a.status == "resolved", want=1, timeout_s=20)
+        assert got and got[0].details["state"] == "closed"
+        assert await wait_for(lambda: state.registry.train_group_counts()[0] > issued_at_trip, 20)
+
+        # REST control: a threshold override and a run-wide training pause
+        r = await client.post("/v1/control", json={"command": "set_threshold", "domain": dom,
+                                                   "signal": "truncation_rate", "threshold": {"critical": 0.9}})
+        assert r.status_code == 200 and r.json()["thresholds"]["critical"] == 0.9
+        assert state.registry.domain(dom).config.monitor == {"truncation_rate": {"critical": 0.9}}
+        r = await client.post("/v1/control", json={"command": "set_threshold", "signal": "nope", "threshold": {"x": 1}})
+        assert r.status_code == 422 and "threshold" in str(r.json())
+        r = await client.post("/v1/control", json={"command": "open_breaker"})
+        assert r.status_code == 422 and "domain" in str(r.json())
+        r = await client.post("/v1/control", json={"command": "open_breaker", "domain": f"none-{unique}"})
+        assert r.status_code == 404
+        r = await client.post("/v1/training/pause", params={"reason": "inspecting"})
+        assert r.status_code == 200 and state.sampler.training_allowed() is False
+        assert (await client.get("/v1/status")).json()["training_paused"]["reason"] == "inspecting"
+        pub = await collect(controls, Control, lambda c: c.command == "pause_training" and c.origin == "rest"
+                            and c.reason == "inspecting", want=1)
+        assert pub
+        r = await client.post("/v1/training/resume")
+        assert r.status_code == 200 and state.sampler.training_allowed() is True
