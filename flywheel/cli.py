@@ -5,6 +5,8 @@
     flywheel submit tasks.jsonl                 # one task object per line (format in README.md)
     flywheel status
     flywheel domains                            # per domain: status, share, level, pass rate, spend vs budget
+    flywheel alerts [--active] [--domain D] [--severity S] [--json]   # the drift monitor's alerts, firing first
+    flywheel control open_breaker --domain D    # operator commands (POST /v1/control, or --kafka host:port)
     flywheel down
     flywheel tasks geometry -n 100 > geometry.jsonl   # a shipped domain's generated tasks as JSONL
     flywheel judge-calibrate labelled.jsonl --config cfg.yaml   # the judge's agreement with labels
@@ -215,6 +217,17 @@ def _final_eval(system: LocalSystem, max_steps: int, deadline: float) -> dict:
         return _wait_eval(system, rid, max(60.0, deadline - time.monotonic()))
 
 
+def alert_summary(alerts: dict) -> dict:
+    """The run report's ``alerts``: how many alerts fired per severity, each ``<key>:<severity>`` that fired
+    with its count, and the keys still firing (from ``GET /v1/alerts``)."""
+    fired = [a for a in alerts["recent"] if a["status"] == "firing"]
+    counts: dict[str, int] = {}
+    for a in fired:
+        counts[f"{a['key']}:{a['severity']}"] = counts.get(f"{a['key']}:{a['severity']}", 0) + 1
+    return {sev: sum(a["severity"] == sev for a in fired) for sev in ("critical", "warning", "info")} | {
+        "fired": counts, "active": [a["key"] for a in alerts["active"]]}
+
+
 def _report(system: LocalSystem, cfg, t0: float, before: dict | None, after: dict | None) -> dict:
     """The run report (``--report``): title, evals before/after, per-step metrics history, config."""
     url, max_steps = system.scheduler_url, cfg.budget.max_steps
@@ -240,6 +253,7 @@ def _report(system: LocalSystem, cfg, t0: float, before: dict | None, after: dic
         # what the run generated per split (samples, generated_tokens, ...): what `flywheel budget` estimates
         "cost": httpx.get(f"{url}/v1/status", timeout=10).json().get("cost"),
         "wall_seconds": wall,
+        "alerts": alert_summary(httpx.get(f"{url}/v1/alerts", params={"limit": 10_000}, timeout=10).json()),
         "history": [{"step": h["step"], "policy_version": h["policy_version"],
                      "mean_reward": h["values"].get("train/reward_mean"), "time": h["time"], **h["values"]}
                     for h in history],
@@ -362,6 +376,177 @@ def domains_cmd(run_dir: RunDirOpt = None,
                       str(d["tasks"]["flagged"]), f"{spent:.0f}",
                       ", ".join(f"{k} {v:g}" for k, v in d["budget_left"].items()) or "-")
     console.print(table)
+
+
+UrlOpt = Annotated[Optional[str], typer.Option(help="Scheduler URL (default: the running system's).")]
+
+
+def _refused(r: httpx.Response) -> str:
+    """The scheduler's error reply in one line per problem: ``field: message`` for a 422, else its detail."""
+    try:
+        detail = r.json().get("detail", r.text)
+    except ValueError:
+        detail = r.text
+    if isinstance(detail, list):  # FastAPI validation errors: loc ("body", field, ...) and msg
+        return "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
+                         for e in detail)
+    return str(detail)
+
+
+def _call(method: str, url: str, **kw) -> dict:
+    """One request to the scheduler; unreachable, or a 4xx/5xx reply: a red message and exit 1."""
+    try:
+        r = httpx.request(method, url, timeout=30, **kw)
+    except httpx.HTTPError as e:
+        console.print(f"[red]scheduler unreachable: {e}[/]")
+        raise typer.Exit(1) from None
+    if r.status_code >= 400:
+        console.print(f"[red]{method} {r.url.path} -> {r.status_code}: {_refused(r)}[/]")
+        raise typer.Exit(1)
+    return r.json()
+
+
+def _alert_rows(reply: dict, active_only: bool) -> list[tuple[bool, dict]]:
+    """``(active, alert)`` rows of a ``GET /v1/alerts`` reply: the active alerts first, then the recent
+    records that are not one of them (newest first)."""
+    active = reply["active"]
+    seen = {(a["key"], a["time"], a["status"]) for a in active}
+    rows = [(True, a) for a in active]
+    if not active_only:
+        rows += [(False, a) for a in reply["recent"] if (a["key"], a["time"], a["status"]) not in seen]
+    return rows
+
+
+@app.command("alerts")
+def alerts_cmd(run_dir: RunDirOpt = None, url: UrlOpt = None,
+               active: Annotated[bool, typer.Option("--active", help="Only the alerts firing now.")] = False,
+               domain: Annotated[Optional[str], typer.Option(help="Only this domain's alerts.")] = None,
+               severity: Annotated[Optional[str], typer.Option(help="info, warning or critical.")] = None,
+               signal_: Annotated[Optional[str], typer.Option("--signal", help="Only this signal's alerts.")] = None,
+               limit: Annotated[int, typer.Option(help="Newest records of the history to show.")] = 100,
+               json_: Annotated[bool, typer.Option("--json", help="Print GET /v1/alerts as JSON.")] = False) -> None:
+    """Show the drift monitor's alerts: those firing now first, then the newest records (firing and resolved)."""
+    from rich.table import Table
+
+    url = url or _state(run_dir)["scheduler_url"]
+    params = {k: v for k, v in {"domain": domain, "severity": severity, "signal": signal_, "limit": limit}.items()
+              if v is not None}
+    reply = _call("GET", f"{url}/v1/alerts", params=params)
+    if json_:
+        out = {"active": reply["active"]} if active else reply
+        typer.echo(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
+        return
+
+    def num(x) -> str:
+        return "-" if x is None else f"{x:.3g}"
+
+    colour = {"critical": "red", "warning": "yellow", "info": "cyan"}
+    table = Table(title="alerts (active first)" if not active else "active alerts")
+    for col in ("time", "key", "severity", "status", "value", "threshold", "reference", "window", "version"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("message", ratio=1, min_width=30)
+    for is_active, a in _alert_rows(reply, active):
+        sev = f"[{colour.get(a['severity'], 'white')}]{a['severity']}[/]"
+        table.add_row(time.strftime("%m-%d %H:%M:%S", time.localtime(a["time"])), a["key"], sev,
+                      "[bold]active[/]" if is_active else a["status"], num(a.get("value")), num(a.get("threshold")),
+                      num(a.get("reference")), f"{a['window']} {a['window_unit']}" if a.get("window") else "-",
+                      str(a.get("policy_version", 0)), a["message"])
+    console.print(table)
+
+
+def _operator_commands() -> list[str]:
+    from typing import get_args
+
+    from shared.schemas import ControlCommand
+
+    return [c for c in get_args(ControlCommand) if c != "domain_state"]  # domain_state: the scheduler's own
+
+
+async def _publish_control(bootstrap: str, ctrl) -> None:
+    """Send ``ctrl`` on flywheel.control (key: its domain or ``run``) and wait for the ack."""
+    import asyncio
+
+    from shared import topics
+    from shared.config import KafkaConfig
+    from shared.kafka import make_producer, send
+
+    producer = make_producer(KafkaConfig(bootstrap_servers=bootstrap), client_id="flywheel-cli")
+    await asyncio.wait_for(producer.start(), 30)
+    try:
+        await asyncio.wait_for(await send(producer, topics.CONTROL, ctrl, key=ctrl.key), 30)
+    finally:
+        await producer.stop()
+
+
+@app.command("control")
+def control_cmd(
+    command: Annotated[str, typer.Argument(help="pause_domain, resume_domain, open_breaker, close_breaker, "
+                                                "set_threshold, pause_training or resume_training.")],
+    domain: Annotated[Optional[str], typer.Option(help="The domain (required by the domain and breaker commands; "
+                                                       "set_threshold: this domain only, else run-wide).")] = None,
+    signal_: Annotated[Optional[str], typer.Option("--signal", help="set_threshold: the signal.")] = None,
+    threshold: Annotated[Optional[str], typer.Option(
+        help='set_threshold: a JSON object of warning, critical, min_rise, min_samples, enabled, e.g. '
+             '\'{"critical": 0.9}\'.')] = None,
+    reason: Annotated[str, typer.Option(help="Why (stored with the command and its alert).")] = "",
+    kafka: Annotated[Optional[str], typer.Option(
+        help="Publish the Control record straight onto flywheel.control at this bootstrap host:port "
+             "(when the REST API is not reachable) instead of POST /v1/control.")] = None,
+    run_dir: RunDirOpt = None, url: UrlOpt = None,
+) -> None:
+    """Send an operator command to the drift monitor: POST /v1/control (prints what changed), or with --kafka a
+    Control record on flywheel.control, which the scheduler applies when it reads it."""
+    if command not in _operator_commands():
+        raise typer.BadParameter(f"{command!r} is not one of {', '.join(_operator_commands())}", param_hint="COMMAND")
+    try:
+        th = orjson.loads(threshold) if threshold is not None else None
+    except orjson.JSONDecodeError as e:
+        raise typer.BadParameter(f"not JSON: {e}", param_hint="--threshold") from None
+    if th is not None and not isinstance(th, dict):
+        raise typer.BadParameter("must be a JSON object", param_hint="--threshold")
+    body = {k: v for k, v in {"command": command, "domain": domain, "signal": signal_, "threshold": th,
+                              "reason": reason or None}.items() if v is not None}
+    if kafka is None:
+        out = _call("POST", f"{(url or _state(run_dir)['scheduler_url'])}/v1/control", json=body)
+        typer.echo(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
+        return
+    _send_control(kafka, body)
+
+
+def _send_control(bootstrap: str, body: dict) -> None:
+    """Validate ``body`` as a ``Control`` record (origin ``cli``) and publish it; refused or broker unreachable:
+    a red message and exit 1."""
+    import asyncio
+
+    from pydantic import ValidationError
+
+    from shared.schemas import Control
+
+    try:
+        ctrl = Control(**body, origin="cli")
+    except ValidationError as e:
+        why = "; ".join(f"{'.'.join(map(str, er['loc'])) or 'record'}: {er['msg']}" for er in e.errors())
+        console.print(f"[red]refused: {why}[/]")
+        raise typer.Exit(1) from None
+    if ctrl.command == "set_threshold":  # the scheduler would only log its refusal: check here as it will
+        from scheduler_service.config import check_overrides
+
+        try:
+            check_overrides({ctrl.signal: dict(ctrl.threshold)})
+        except ValueError as e:
+            console.print(f"[red]refused: threshold: {e}[/]")
+            raise typer.Exit(1) from None
+    try:
+        asyncio.run(_publish_control(bootstrap, ctrl))
+    except Exception as e:  # noqa: BLE001 - any broker trouble: say so and fail
+        console.print(f"[red]could not publish on flywheel.control at {bootstrap}: {e!r}[/]")
+        raise typer.Exit(1) from None
+    from shared import topics
+
+    typer.echo(orjson.dumps({"published": topics.CONTROL, "key": ctrl.key, "control_id": ctrl.control_id,
+                             **ctrl.model_dump(mode="json", include={"command", "domain", "signal", "threshold",
+                                                                     "reason", "origin"})},
+                            option=orjson.OPT_INDENT_2).decode())
 
 
 @app.command()

@@ -303,7 +303,8 @@ class DriftMonitor:
     def __init__(self, cfg: MonitorConfig, overrides: Callable[[str], dict[str, dict[str, Any]]] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
-        self.overrides = overrides or (lambda d: {})
+        none: dict[str, dict[str, Any]] = {}
+        self.overrides = overrides or (lambda d: none)
         self.clock = clock
         self.run_overrides: dict[str, dict[str, Any]] = {}
         self.watches: dict[str, DomainWatch] = {}
@@ -312,7 +313,7 @@ class DriftMonitor:
         self.breakers: dict[str, Breaker] = {}
         self.changed: set[str] = set()
         """Domains whose breaker changed since :meth:`take_changed` (to persist and announce)."""
-        self._thresholds: dict[str, tuple[int, int, dict[str, SignalThreshold]]] = {}
+        self._thresholds: dict[str, tuple[dict, int, dict[str, SignalThreshold]]] = {}
         self._run_rev = 0
         self._first_entropy: float | None = None
         self._eval_acc: dict[str, float] = {}
@@ -329,7 +330,7 @@ class DriftMonitor:
         run-wide overrides, and the domain's ``monitor`` overrides, field by field."""
         over = self.overrides(domain) if domain is not None else {}
         hit = self._thresholds.get(domain or "")
-        if hit is not None and hit[0] == id(over) and hit[1] == self._run_rev:
+        if hit is not None and hit[0] is over and hit[1] == self._run_rev:
             return hit[2]
         out = {}
         for sig, t in DEFAULT_THRESHOLDS.items():
@@ -337,7 +338,7 @@ class DriftMonitor:
             for layer in (self.cfg.signals, self.run_overrides, over):
                 merged.update(layer.get(sig, {}))
             out[sig] = SignalThreshold.model_validate(merged)
-        self._thresholds[domain or ""] = (id(over), self._run_rev, out)
+        self._thresholds[domain or ""] = (over, self._run_rev, out)
         return out
 
     # ------------------------------------------------------------ observations
@@ -382,6 +383,14 @@ class DriftMonitor:
         cur, ref = w.windows()
         readings = window_readings(cur, ref, list(w.infra), list(w.collapsed), list(w.repeats))
         return self._judge(ev.domain, readings, policy_version)
+
+    def readings(self, domain: str) -> dict[str, Reading]:
+        """The current value of every window signal of ``domain`` (what the next completed group is judged on)."""
+        w = self.watches.get(domain)
+        if w is None:
+            return {}
+        cur, ref = w.windows()
+        return window_readings(cur, ref, list(w.infra), list(w.collapsed), list(w.repeats))
 
     def _probe_sample(self, domain: str, w: DomainWatch, ev: RewardEvent, policy_version: int) -> list[Alert]:
         p = w.probe

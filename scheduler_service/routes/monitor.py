@@ -39,8 +39,9 @@ def get_alerts(state: StateDep, domain: str | None = None,
 
 @router.get("/v1/monitor")
 def get_monitor(state: StateDep) -> dict[str, Any]:
-    """The monitor's settings: run-wide effective thresholds per signal (with what each measures), the
-    run-wide overrides, every breaker that ever opened, and the run-wide training pause."""
+    """The monitor's settings and state: run-wide effective thresholds per signal (with what each measures),
+    the run-wide overrides, every breaker that ever opened, the run-wide training pause, and per domain the
+    samples in its windows and every signal's current value."""
     guard = state.guard
     return {
         "enabled": state.config.monitor.enabled,
@@ -50,6 +51,9 @@ def get_monitor(state: StateDep) -> dict[str, Any]:
         "run_overrides": state.registry.run_overrides(),
         "breakers": {d: b.to_dict() for d, b in guard.monitor.breakers.items()},
         "training_paused": state.registry.training_pause(),
+        "domains": {d: {"samples": len(w.samples), "readings": {s: {"value": r.value, "reference": r.reference, "n": r.n}
+                                                                for s, r in guard.monitor.readings(d).items()}}
+                    for d, w in sorted(guard.monitor.watches.items())},
     }
 
 
