@@ -243,10 +243,15 @@ class DriftGuard:
             out["applied"] = False  # domain_state: the scheduler's own announcement
         if c in ("pause_training", "resume_training") and out["applied"]:
             paused = c == "pause_training"
-            await self.emit([Alert(signal="training_paused", status="firing" if paused else "resolved",
-                                   severity="warning" if paused else "info", policy_version=v,
-                                   message=f"training {'paused' if paused else 'resumed'} run-wide by {ctrl.origin}"
-                                           + (f": {ctrl.reason}" if ctrl.reason else "") + ".")])
+            a = Alert(signal="training_paused", status="firing" if paused else "resolved",
+                      severity="warning" if paused else "info", policy_version=v,
+                      message=f"training {'paused' if paused else 'resumed'} run-wide by {ctrl.origin}"
+                              + (f": {ctrl.reason}" if ctrl.reason else "") + ".")
+            if paused:
+                self.monitor.active[a.key] = a
+            else:
+                self.monitor.active.pop(a.key, None)
+            await self.emit([a])
             if ctrl.origin == "scheduler":  # the monitor's own pause: the trainer reads it here (others sent theirs)
                 await self._publish([(topics.CONTROL, ctrl, "run")])
         return out

@@ -526,10 +526,12 @@ class DriftMonitor:
                f"flight are dropped by the trainer, evaluation goes on; "
                + ("it stays open until an operator closes it." if manual
                   else f"a probe of {bc.probe_groups} group(s) goes out in {br.cooldown_s:.0f} s."))
-        return Alert(domain=domain, signal="breaker", status="firing", severity="critical",
-                     value=reading.value if reading else None, policy_version=policy_version, message=msg,
-                     details={"state": "open", "trigger": trigger, "trips": br.trips, "cooldown_s": br.cooldown_s,
-                              "manual": manual})
+        a = Alert(domain=domain, signal="breaker", status="firing", severity="critical",
+                  value=reading.value if reading else None, policy_version=policy_version, message=msg,
+                  details={"state": "open", "trigger": trigger, "trips": br.trips, "cooldown_s": br.cooldown_s,
+                           "manual": manual})
+        self.active[a.key] = a
+        return a
 
     def _close(self, domain: str, br: Breaker, policy_version: int, why: str) -> list[Alert]:
         w = self._watch(domain)
@@ -539,6 +541,7 @@ class DriftMonitor:
         w.restart(w.frozen)
         w.frozen = None
         self.changed.add(domain)
+        self.active.pop(f"{domain}/breaker", None)
         out = [Alert(domain=domain, signal="breaker", status="resolved", severity="info", policy_version=policy_version,
                      message=f"{domain}: circuit breaker closed ({why}); its training groups are issued again.",
                      details={"state": "closed", "trips": br.trips})]
@@ -576,10 +579,12 @@ class DriftMonitor:
         br.probe_groups, br.probe_deadline = list(group_ids), br.since + self.cfg.breaker.probe_timeout_s
         self._watch(domain).probe = _Probe(set(group_ids))
         self.changed.add(domain)
-        return Alert(domain=domain, signal="breaker", status="firing", severity="info", policy_version=policy_version,
-                     message=f"{domain}: circuit breaker half-open: probing with {len(group_ids)} group(s), scored "
-                             f"but not trained.",
-                     details={"state": "half_open", "probe_groups": list(group_ids), "trips": br.trips})
+        a = Alert(domain=domain, signal="breaker", status="firing", severity="info", policy_version=policy_version,
+                  message=f"{domain}: circuit breaker half-open: probing with {len(group_ids)} group(s), scored "
+                          f"but not trained.",
+                  details={"state": "half_open", "probe_groups": list(group_ids), "trips": br.trips})
+        self.active[a.key] = a
+        return a
 
     def expired_probes(self, policy_version: int) -> list[Alert]:
         """Probes past ``probe_timeout_s``: their breakers open again."""
