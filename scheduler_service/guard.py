@@ -167,7 +167,8 @@ class DriftGuard:
     def _domain_state(self, domain: str) -> Control:
         ok = self.trainable(domain)
         reason = "" if ok else ("circuit_open" if self.monitor.breaker(domain).state != "closed" else "domain_paused")
-        return Control(command="domain_state", domain=domain, trainable=ok, reason=reason, origin="scheduler")
+        return Control(command="domain_state", domain=domain, trainable=ok, reason=reason, origin="scheduler",
+                       drop_groups=self.monitor.breaker(domain).last_probe)
 
     async def _publish(self, records: list[tuple[str, Any, str]]) -> None:
         """Send and wait for the acks; a failure is logged (the registry holds the state; a breaker's

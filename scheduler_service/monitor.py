@@ -56,6 +56,10 @@ from typing import Any, Callable, Iterable
 from scheduler_service.config import DEFAULT_THRESHOLDS, RUN_SIGNALS, SIGNALS, MonitorConfig, SignalThreshold
 from shared.schemas import Alert, Metrics, RewardEvent
 
+MIN_SURPRISAL = 0.05
+"""Reference surprisal (nats/token) below which ``entropy_drop`` is not judged: a policy that near-deterministic
+already has no entropy left to lose, and the ratio of two tiny numbers is noise."""
+
 LEVELS = ("warning", "critical")
 """Alert levels a signal can reach, in order."""
 
@@ -142,7 +146,7 @@ def window_readings(cur: list[Sample], ref: list[Sample], infra: list[bool], col
             out["length_inflation"] = Reading(sum(s.tokens for s in cur) / nc / max(len_ref, 1.0), len_ref, nc, nr)
             s_cur = _mean([s.surprisal for s in cur if s.surprisal is not None])
             s_ref = _mean([s.surprisal for s in ref if s.surprisal is not None])
-            if s_cur is not None and s_ref:
+            if s_cur is not None and s_ref is not None and s_ref >= MIN_SURPRISAL:
                 out["entropy_drop"] = Reading(1.0 - s_cur / s_ref, s_ref, nc, nr)
     share, n = _share(infra)
     if n:
@@ -191,6 +195,8 @@ class Breaker:
     probe_groups: list[str] = field(default_factory=list)
     """Group ids of the probe out (half-open)."""
     probe_deadline: float | None = None
+    last_probe: list[str] = field(default_factory=list)
+    """Group ids of the latest probe (the trainer drops them even after the breaker closed)."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
@@ -577,6 +583,7 @@ class DriftMonitor:
         br = self.breakers[domain]
         br.state, br.since = "half_open", self.clock()
         br.probe_groups, br.probe_deadline = list(group_ids), br.since + self.cfg.breaker.probe_timeout_s
+        br.last_probe = list(group_ids)
         self._watch(domain).probe = _Probe(set(group_ids))
         self.changed.add(domain)
         a = Alert(domain=domain, signal="breaker", status="firing", severity="info", policy_version=policy_version,

@@ -491,6 +491,10 @@ class Control(Record):
     signal: str | None = Field(None, min_length=1, max_length=64)
     threshold: dict[str, float | bool | None] | None = None
     trainable: bool | None = None
+    drop_groups: list[str] = Field(default_factory=list, max_length=1024)
+    """``domain_state``: training groups the trainer must drop whatever the domain's state (``circuit_open``):
+    the probe of a breaker that closes, whose last samples may reach the trainer after the domain trains
+    again."""
     reason: str = Field("", max_length=1000)
     origin: str = Field("operator", min_length=1, max_length=64)
     """Who sent it (``operator``, ``cli``, ``rest``, ``scheduler``)."""

@@ -40,11 +40,13 @@ class ControlState:
 
     blocked: dict[str, str] = field(default_factory=dict)
     training_paused: bool = False
+    drop_groups: set[str] = field(default_factory=set)
+    """Group ids dropped as ``circuit_open`` whatever their domain's state (a closed breaker's probe)."""
 
     def apply(self, ctrl: Control) -> bool:
         """Fold one record in (the latest record per domain, and run-wide, wins).
 
-        ``domain_state`` with ``trainable`` false blocks ``ctrl.domain`` with ``ctrl.reason`` (a reason
+        ``domain_state`` adds its ``drop_groups`` to :attr:`drop_groups`; with ``trainable`` false it blocks ``ctrl.domain`` with ``ctrl.reason`` (a reason
         outside :data:`BLOCK_REASONS` blocks it as :data:`DEFAULT_BLOCK_REASON`), true unblocks it;
         ``pause_training``/``resume_training`` set :attr:`training_paused` whatever their origin. Other
         commands are ignored.
@@ -53,6 +55,7 @@ class ControlState:
             Whether the state changed.
         """
         if ctrl.command == "domain_state":
+            self.drop_groups.update(ctrl.drop_groups)
             if ctrl.trainable:
                 return self.blocked.pop(ctrl.domain, None) is not None
             reason = ctrl.reason if ctrl.reason in BLOCK_REASONS else DEFAULT_BLOCK_REASON

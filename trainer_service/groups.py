@@ -10,7 +10,7 @@ the buffer drops the ready groups of domains flywheel.control blocks (:meth:`Gro
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 
 from shared.groups import SampleOutcome, is_unsolved, resample_wanted
@@ -152,12 +152,13 @@ class GroupBuffer:
         self.ready = keep
         return dropped
 
-    def drop_blocked(self, blocked: Mapping[str, str]) -> int:
+    def drop_blocked(self, blocked: Mapping[str, str], groups: Container[str] = ()) -> int:
         """Drop the ready groups whose :attr:`Group.domain` is a key of ``blocked`` (domain -> reason,
         ``circuit_open`` or ``domain_paused``: :attr:`trainer_service.control.ControlState.blocked`); each
         is announced by :meth:`take_drops` with that reason and counted ``dropped_<reason>``.
 
-        Partial groups are left alone: call this every pass and a group of a blocked domain is dropped
+        A ready group whose id is in ``groups`` (a closed breaker's probe) is dropped ``circuit_open``
+        whatever its domain. Partial groups are left alone: call this every pass and a group of a blocked domain is dropped
         on the pass it completes. Groups already taken for a step (in flight) are not touched.
 
         Returns:
@@ -166,14 +167,14 @@ class GroupBuffer:
         Raises:
             ValueError: a reason is neither ``circuit_open`` nor ``domain_paused`` (nothing is dropped).
         """
-        if not blocked:
+        if not blocked and not groups:
             return 0
         bad = {r for r in blocked.values() if r not in BLOCK_COUNTERS}
         if bad:
             raise ValueError(f"unknown block reasons {sorted(bad)}: expected one of {sorted(BLOCK_COUNTERS)}")
         keep, dropped = [], 0
         for g in self.ready:
-            reason = blocked.get(g.domain)
+            reason = "circuit_open" if g.group_id in groups else blocked.get(g.domain)
             if reason is None:
                 keep.append(g)
             else:

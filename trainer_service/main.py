@@ -168,7 +168,7 @@ class TrainLoop:
         training = self.trainer.version < budget.max_steps
         if training:
             buffer.drop_stale(self.trainer.version)
-            buffer.drop_blocked(control.blocked)
+            buffer.drop_blocked(control.blocked, control.drop_groups)
         if buffer.has_drops:
             await _announce_drops(self.producer, buffer, self.trainer.version)
         if not control.training_paused:

@@ -116,6 +116,7 @@ async def _store(state: SchedulerState, domain: str, data: dict[str, Any]) -> Do
     await asyncio.to_thread(state.registry.put_domain, domain, cfg)
     if state.sampler is not None:
         state.sampler.maker.failed.pop(domain, None)
+        await state.guard.announce(domain)  # a state set to paused (or back) reaches the trainer
     return domain_views(state, domain)[0]
 
 

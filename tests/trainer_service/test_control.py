@@ -226,3 +226,21 @@ async def test_malformed_control_records_go_to_the_dlq_and_the_trainer_keeps_tra
         assert "self_destruct" in dl[1].payload and "command" in dl[1].reason
 
     await _with_trainer(cfg, body)
+
+
+def test_a_closed_breakers_probe_groups_are_dropped_even_after_the_domain_trains_again():
+    """The probe's last samples can reach the trainer after the ``trainable: true`` that its own rewards
+    caused: the record names the probe's groups, and they are dropped whenever they complete."""
+    s = ControlState()
+    s.apply(_state("x", False, "circuit_open"))
+    close = Control(command="domain_state", domain="x", trainable=True, origin="scheduler", drop_groups=["gp1", "gp2"])
+    assert s.apply(close) and s.blocked == {} and s.drop_groups == {"gp1", "gp2"}
+    buf = GroupBuffer(max_staleness=1)
+    _fill(buf, "gp1", "x", offset=0)
+    _fill(buf, "gx", "x", offset=2)
+    _fill(buf, "gp2", "x", n=1, offset=4)  # still partial: dropped on the pass it completes
+    assert buf.drop_blocked(s.blocked, s.drop_groups) == 1
+    buf.add(_scored("gp2", 1, 0.0, "x"), ("s", 0), 5)
+    assert buf.drop_blocked(s.blocked, s.drop_groups) == 1
+    assert [(d.group_id, d.reason) for d in buf.take_drops()] == [("gp1", "circuit_open"), ("gp2", "circuit_open")]
+    assert [g.group_id for g in buf.take(2)] == ["gx"]  # the domain's other groups train
