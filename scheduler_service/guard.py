@@ -91,11 +91,12 @@ class DriftGuard:
 
     # ------------------------------------------------------------ observations
 
-    async def on_reward(self, ev: RewardEvent) -> None:
-        """Feed one counted RewardEvent to the monitor; publish what it raises."""
+    async def on_reward(self, ev: RewardEvent, selected: bool = False) -> None:
+        """Feed one counted RewardEvent to the monitor (``selected``: of a re-sample of an unsolved group);
+        publish what it raises."""
         row = self.registry.domain(ev.domain)
         await self.emit(self.monitor.observe_reward(ev, row.config.level if row else None,
-                                                    self.registry.policy_version))
+                                                    self.registry.policy_version, selected))
 
     async def on_metrics(self, m: Metrics) -> None:
         """Feed one Metrics record (the trainer's: run-wide KL and entropy)."""

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
@@ -70,6 +71,7 @@ class Sample:
 
     reward: float
     passed: bool
+    group: str
     tokens: int
     truncated: bool
     hacked: bool
@@ -118,6 +120,33 @@ class Reading:
     n: int
     n_ref: int | None = None
     unit: str = "samples"
+    z: float | None = None
+    """For the pass-rate signals: the change over its standard error with groups as the unit (tasks differ
+    far more than samples of one task do); below :data:`MIN_Z` the change is not judged."""
+
+
+MIN_Z = 3.0
+"""Smallest z of a pass-rate change that is judged: a window of 4 groups of heterogeneous tasks moves by
+0.5 or more by chance alone (the main job's arithmetic tasks pass at anything from 0 to 1)."""
+
+
+def group_z(cur: list[Sample], ref: list[Sample]) -> float:
+    """z of (current − reference) pass rate, each group's pass rate one observation: the two-sample t statistic
+    with the pooled variance (the windows share one variance unless something changed; four groups alone
+    estimate it badly), floored at 0.01 so two constant windows still give a finite z."""
+    def rates(xs: list[Sample]) -> list[float]:
+        by: dict[str, list[bool]] = {}
+        for x in xs:
+            by.setdefault(x.group, []).append(x.passed)
+        return [sum(v) / len(v) for v in by.values()]
+
+    rc, rr = rates(cur), rates(ref)
+    if not rc or not rr:
+        return 0.0
+    mc, mr = sum(rc) / len(rc), sum(rr) / len(rr)
+    ss = sum((x - mc) ** 2 for x in rc) + sum((x - mr) ** 2 for x in rr)
+    pooled = max(0.01, ss / max(1, len(rc) + len(rr) - 2))
+    return (mc - mr) / math.sqrt(pooled * (1 / len(rc) + 1 / len(rr)))
 
 
 def window_readings(cur: list[Sample], ref: list[Sample], infra: list[bool], collapsed: list[bool],
@@ -138,8 +167,9 @@ def window_readings(cur: list[Sample], ref: list[Sample], infra: list[bool], col
         out["truncation_rate"] = Reading(trunc, trunc_ref, nc, nr)
         out["hack_rate"] = Reading(hack, hack_ref, nc, nr)
         if nr:
-            out["pass_rate_jump"] = Reading(p_cur - p_ref, p_ref, nc, nr)
-            out["pass_rate_collapse"] = Reading(p_ref - p_cur, p_ref, nc, nr)
+            z = group_z(cur, ref) if abs(p_cur - p_ref) >= 0.2 else 0.0  # a small change: not worth the test
+            out["pass_rate_jump"] = Reading(p_cur - p_ref, p_ref, nc, nr, z=z)
+            out["pass_rate_collapse"] = Reading(p_ref - p_cur, p_ref, nc, nr, z=-z)
             out["reward_shift"] = Reading(wasserstein1([s.reward for s in cur], [s.reward for s in ref]),
                                           _mean([s.reward for s in ref]), nc, nr)
             len_ref = sum(s.tokens for s in ref) / nr
@@ -163,9 +193,12 @@ def window_readings(cur: list[Sample], ref: list[Sample], infra: list[bool], col
 def level_of(reading: Reading, t: SignalThreshold, min_samples: int) -> str | None:
     """The level (``warning``, ``critical`` or ``None``) ``reading`` reaches under thresholds ``t``: value at
     or above the level's threshold, and with ``min_rise`` also ``value − reference ≥ min_rise`` (no known
-    reference: no rise); windows smaller than ``t.min_samples`` (default ``min_samples``) reach nothing."""
+    reference: no rise); windows smaller than ``t.min_samples`` (default ``min_samples``) reach nothing, nor
+    does a pass-rate change with ``z`` below :data:`MIN_Z`."""
     need = t.min_samples or min_samples
     if not t.enabled or reading.n < need or (reading.n_ref is not None and reading.n_ref < need):
+        return None
+    if reading.z is not None and reading.z < MIN_Z:
         return None
     if t.min_rise is not None and (reading.reference is None or reading.value - reading.reference < t.min_rise):
         return None
@@ -292,7 +325,7 @@ class DomainWatch:
 
 
 def _sample(ev: RewardEvent) -> Sample:
-    return Sample(ev.reward, ev.passed, ev.completion_tokens, ev.finish_reason == "length", bool(ev.hacks),
+    return Sample(ev.reward, ev.passed, ev.group_id, ev.completion_tokens, ev.finish_reason == "length", bool(ev.hacks),
                   ev.surprisal)
 
 
@@ -359,8 +392,14 @@ class DriftMonitor:
             w = self.watches[domain] = DomainWatch(self.cfg)
         return w
 
-    def observe_reward(self, ev: RewardEvent, level: int | None, policy_version: int) -> list[Alert]:
-        """Take one counted RewardEvent of domain level ``level``; the alerts (and breaker moves) it causes."""
+    def observe_reward(self, ev: RewardEvent, level: int | None, policy_version: int,
+                       selected: bool = False) -> list[Alert]:
+        """Take one counted RewardEvent of domain level ``level``; the alerts (and breaker moves) it causes.
+
+        ``selected``: the sample's group was chosen for its past rewards (a re-sample of an unsolved group,
+        ``budget.resample_unsolved``): it counts for the infra-error rate, the scorer's consistency and the
+        group's diversity, but not in the reward windows, whose pass rate it would bias toward 0 (one
+        24-sample re-sample is most of a 32-sample window)."""
         if not self.cfg.enabled:
             return []
         w = self._watch(ev.domain)
@@ -379,7 +418,8 @@ class DriftMonitor:
             if complete is not None:
                 w.collapsed.append(complete)
             if not ev.infra_error:
-                w.samples.append(_sample(ev))
+                if not selected:
+                    w.samples.append(_sample(ev))
                 rep = w.consistency(ev)
                 if rep is not None:
                     w.repeats.append(rep)

@@ -162,6 +162,9 @@ class RewardOutcome:
     resample: IssuedGroup | None = None
     notes: tuple[str, ...] = ()
     """What it changed beyond the group, for the log: a level move, a retired or flagged task."""
+    selected: bool = False
+    """The event's group was chosen for what it scored before (a re-sample of an unsolved group): its samples
+    are not a fair sample of the domain's pass rate (the drift monitor leaves them out of its windows)."""
 
 
 def canonical_payload(task: Task) -> str:
@@ -654,7 +657,8 @@ class Registry(DomainTables, MonitorTables):
                     and g["dropped"] is None):  # a dropped group's slot was already given to a new group
                 resample = self._resample_unsolved(db, g, self._resample_size(g["domain"], resample_n))
         self._apply_windows()
-        return RewardOutcome(True, True, scored, completed, resample, tuple(n for n in notes if n))
+        return RewardOutcome(True, True, scored, completed, resample, tuple(n for n in notes if n),
+                             g["resample_of"] is not None)
 
     def _resample_size(self, domain: str | None, resample_n: int) -> int:
         """Samples of a re-sample: ``budget.resample_unsolved``, or the domain's adaptive ``max`` when larger

@@ -388,7 +388,7 @@ class Sampler:
                       "then POST /v1/domains/%s/resume", ev.domain, ev.task_id, ev.reason, ev.domain)
             await self.guard.announce(ev.domain)
         if outcome.counted:
-            await self.guard.on_reward(ev)
+            await self.guard.on_reward(ev, selected=outcome.selected)
         self.stats.on_reward(ev, outcome, self.registry.policy_version)
         if outcome.completed:
             log.info("group %s complete", ev.group_id)

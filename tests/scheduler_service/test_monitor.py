@@ -234,3 +234,35 @@ def test_eval_accuracy_drop_between_rounds():
     assert mon.observe_eval("a", 0.8, 10, 1) == []
     out = mon.observe_eval("a", 0.5, 10, 2)
     assert out[0].signal == "eval_accuracy_drop" and out[0].value == pytest.approx(0.3) and out[0].severity == "warning"
+
+
+def test_a_resample_of_an_unsolved_group_does_not_collapse_the_pass_rate():
+    """The main job's false trip: a 24-sample re-sample of an unsolved task (all fail, chosen because it
+    failed) filled most of a 32-sample window after groups passing at 0.75. It is left out of the reward
+    windows; and even counted, one group is not a significant change (z over groups)."""
+    for selected in (True, False):
+        sim = Sim()
+        for _ in range(12):
+            sim.group("a", p_right=1.0)
+        before = len(sim.mon.watches["a"].samples)
+        for i in range(24):
+            ans = ANSWERS[1 + i % 3]
+            ev = _ev("a", "a:resample", i, ans, False, task="hard").model_copy(update={"group_size": 24})
+            sim.alerts += sim.mon.observe_reward(ev, 0, 0, selected=selected)
+        assert len(sim.mon.watches["a"].samples) == (before if selected else min(96, before + 24))
+        assert sim.critical("a") == [], [a.message for a in sim.alerts]
+
+
+def test_a_pass_rate_change_must_be_significant_over_groups():
+    """Windows of whole groups passing all or nothing (heterogeneous tasks): a 0.75 drop from 4 groups is
+    within what task mix gives (z < 3); the same drop over consistently passing groups is not."""
+    from scheduler_service.monitor import Sample, group_z, window_readings
+
+    def s(g, ok):
+        return Sample(float(ok), ok, g, 4, False, False, 1.0)
+
+    ref = [s(f"r{g}", g % 2 == 0) for g in range(8) for _ in range(8)]  # half the tasks pass, half fail
+    cur = [s(f"c{g}", False) for g in range(4) for _ in range(8)]
+    assert group_z(cur, ref) > -3 and window_readings(cur, ref, [], [], [])["pass_rate_collapse"].z < 3
+    steady = [s(f"r{g}", i < 4) for g in range(8) for i in range(8)]  # every task passes half its samples
+    assert group_z(cur, steady) < -3
