@@ -73,11 +73,6 @@ class MonitorTables:
         rows = self._all(sql + " ORDER BY id DESC LIMIT ?", *args, limit)
         return [Alert.model_validate_json(r["record"]) for r in rows]
 
-    def alert_counts(self) -> dict[str, int]:
-        """Alert records stored per severity (firing ones only)."""
-        rows = self._all("SELECT severity, COUNT(*) AS c FROM alerts WHERE status = 'firing' GROUP BY severity")
-        return {r["severity"]: r["c"] for r in rows}
-
     def save_breakers(self, breakers: dict[str, Breaker]) -> None:
         """Persist changed breakers (one transaction)."""
         if not breakers:

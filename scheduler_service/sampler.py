@@ -282,7 +282,8 @@ class Sampler:
         """Up to ``replay_fraction · budget`` (stochastically rounded) partly solved tasks, drawn
         without replacement with weight p(1 − p)."""
         n = int(budget * self.cfg.scheduler.replay_fraction + self.rng.random())
-        cands = self.registry.learnable_train_tasks(set(self.planner.issuable()))
+        live = {d for d, r in self.registry.domain_rows().items() if r.issuable and d not in self.planner.blocked}
+        cands = self.registry.learnable_train_tasks(live)
         picks: list[str] = []
         while cands and len(picks) < n:
             i = self.rng.choices(range(len(cands)), weights=[p * (1 - p) for _, p in cands])[0]
