@@ -68,7 +68,11 @@ def system_config(model_dir: Path, run_dir: Path, order: str, samples: int = 4, 
                   max_batch_samples: int = 32, lookahead: int = 8, sandbox_workers: int = 8) -> dict:
     """The system's YAML as a dict: the two domains (equal weights, nothing retired or flagged), the
     tiny model, lr 1e-7, no evaluation, ``scheduler.issue_order`` = ``order``; ``sandbox_workers``
-    sandbox slots (the slow tests sleep rather than compute, so more slots than cores are fine)."""
+    sandbox slots (the slow tests sleep rather than compute, so more slots than cores are fine).
+
+    The drift monitor is off: the tiny model answers many ``fast`` prompts with one wrong answer K times
+    over, a real ``diversity_collapse`` (0.75 over 8 groups, measured); its breaker then stops the domain,
+    and this measures the mix, not the monitor (a CI run failed that way: fast got 4 of 16 issued groups)."""
     keep = {"retire_after": 0, "flag_after": 0}
     return {
         "model": {"name": str(model_dir)},
@@ -80,6 +84,7 @@ def system_config(model_dir: Path, run_dir: Path, order: str, samples: int = 4, 
                       "cost_lookahead": lookahead},
         "rollout": {"engine": "torch", "max_batch_samples": max_batch_samples, "max_trajectory_tokens": 400},
         "sandbox": {"max_concurrency": sandbox_workers},
+        "monitor": {"enabled": False},
         "trainer": {"loss": "bnpo", "truncation": "keep", "lr": 1.0e-7, "micro_batch_size": 32,
                     "keep_checkpoints": 1},
     }
