@@ -75,6 +75,26 @@ class RunConfig(BaseModel):
         return p if p.is_absolute() else Path(os.path.expanduser(self.dir)).resolve() / p
 
 
+class TelemetryConfig(BaseModel):
+    """Prometheus metrics and OpenTelemetry traces of one process. Env names: ``FLYWHEEL_TELEMETRY__<FIELD>``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    metrics: bool = True
+    """Serve Prometheus metrics: the scheduler and the sandbox on their API's ``/metrics``, the other
+    services on :attr:`metrics_port`."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics server of rollout, verifier and trainer binds to (compose: ``0.0.0.0``)."""
+    metrics_port: int = Field(0, ge=0, le=65535)
+    """Port of that server; 0 = none (the launcher gives each service a free one)."""
+    traces: Literal["auto", "local", "otlp", "off"] = "auto"
+    """Where spans go: ``local`` = the SQLite span store :attr:`span_store`; ``otlp`` = an OpenTelemetry
+    collector at ``$OTEL_EXPORTER_OTLP_ENDPOINT``; ``auto`` = ``otlp`` when that variable is set, else
+    ``local``; ``off`` = spans are created but not recorded."""
+    span_store: str = "traces.sqlite"
+    """The local span store's SQLite file; relative to ``run.dir`` unless absolute."""
+
+
 class WeightsConfig(BaseModel):
     """How new policy versions reach the rollout engines; read by the trainer (sender) and the rollout
     service (receiver). Env names: ``FLYWHEEL_WEIGHTS__<FIELD>``."""
@@ -140,6 +160,7 @@ class Settings(BaseSettings):
     kafka: KafkaConfig = KafkaConfig()
     model: ModelConfig = ModelConfig()
     run: RunConfig = RunConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
 
     @classmethod
     def settings_customise_sources(
