@@ -2,6 +2,7 @@
 
     flywheel run examples/arithmetic.yaml --report runs/arithmetic.json
     flywheel up examples/arithmetic.yaml        # serve until Ctrl-C or `flywheel down`
+    flywheel job examples/arithmetic.yaml --url http://scheduler:8000   # the job on a system run elsewhere (compose)
     flywheel submit tasks.jsonl                 # one task object per line (format in README.md)
     flywheel status
     flywheel domains                            # per domain: status, share, level, pass rate, spend vs budget
@@ -11,6 +12,8 @@
     flywheel tasks geometry -n 100 > geometry.jsonl   # a shipped domain's generated tasks as JSONL
     flywheel judge-calibrate labelled.jsonl --config cfg.yaml   # the judge's agreement with labels
     flywheel budget examples/arithmetic.yaml [--history runs/arithmetic.json] [--json]   # a run's rollout cost, before it
+    flywheel analytics [--follow]               # the topics into <run dir>/analytics.duckdb (incremental)
+    flywheel analytics query "SELECT ..." [--json]   # SQL on it (or a README question by name)
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import logging
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -73,7 +77,8 @@ def _start(config: Path, sets: list[str] | None, run_dir: Path | None, fresh: bo
         system = LocalSystem.start(config, run_dir, env)
     _pointer().parent.mkdir(parents=True, exist_ok=True)
     _pointer().write_bytes((system.run_dir / "flywheel.json").read_bytes())
-    console.print(f"[green]system up[/]: scheduler {system.scheduler_url} (docs at /docs), "
+    console.print(f"[green]system up[/]: scheduler {system.scheduler_url} (docs at /docs, dashboard at "
+                  f"{system.scheduler_url}/dashboard), "
                   f"broker {system.env['FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS']}, run dir {system.run_dir}")
     return system, cfg
 
@@ -286,6 +291,64 @@ def up(config: ConfigArg, set_: SetOpt = None, run_dir: RunDirOpt = None,
         console.print("system stopped")
 
 
+@dataclass
+class RemoteSystem:
+    """A system run by someone else (docker-compose, a cluster): the scheduler's URL, nothing to supervise.
+    Stands in for :class:`LocalSystem` in the job's phases (:func:`_train`)."""
+
+    scheduler_url: str
+    run_dir: Path
+
+    def check(self) -> list[str]:
+        """Nothing to supervise here: the orchestrator restarts the services."""
+        return []
+
+
+def wait_for_scheduler(url: str, timeout_s: float) -> None:
+    """Poll ``GET {url}/healthz`` with backoff (0.5 s doubling to 5 s) until it answers 200.
+
+    Raises:
+        TimeoutError: no healthy answer within ``timeout_s`` seconds.
+    """
+    deadline, pause = time.monotonic() + timeout_s, 0.5
+    while True:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the scheduler at {url} was not healthy within {timeout_s:.0f} s")
+        time.sleep(pause)
+        pause = min(5.0, pause * 2)
+
+
+@app.command()
+def job(
+    config: ConfigArg,
+    url: Annotated[str, typer.Option(help="The running scheduler's URL, e.g. http://scheduler:8000.")],
+    report: Annotated[Optional[Path], typer.Option(help="Write a JSON report here (and a PNG plot beside it).")] = None,
+    set_: SetOpt = None,
+    timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 7200.0,
+    wait: Annotated[float, typer.Option(help="Seconds to wait for the scheduler to answer /healthz.")] = 900.0,
+) -> None:
+    """The main job against a system that is already running (docker-compose): wait for the scheduler, submit
+    the config's tasks, follow training to ``budget.max_steps``, evaluate the held-out split, write the report.
+    Starts and stops nothing."""
+    logging.basicConfig(level=logging.WARNING)
+    cfg, _ = _load(config, set_)
+    with console.status(f"waiting for the scheduler at {url}"):
+        wait_for_scheduler(url, wait)
+    t0 = time.monotonic()
+    result = _train(RemoteSystem(url.rstrip("/"), Path(cfg.run.dir)), cfg, t0, timeout)
+    before, after = result["eval"]["before"], result["eval"]["after"]
+    console.print(f"held-out greedy accuracy: {_fmt(before)} -> {_fmt(after)} in {result['steps']} steps, "
+                  f"{result['wall_seconds']:.0f} s")
+    if report:
+        png = write_report(report, result)
+        console.print(f"report: {report} (plot {png})")
+
+
 def _stop(system: LocalSystem) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the teardown short
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -342,6 +405,7 @@ def status(run_dir: RunDirOpt = None) -> None:
     st = _state(run_dir)
     for name, pid in {"supervisor": st["supervisor_pid"], "broker": st["broker_pid"], **st["services"]}.items():
         console.print(f"{name:<11} pid {pid}: {'[green]running[/]' if _alive(pid) else '[red]gone[/]'}")
+    console.print(f"dashboard   {st['scheduler_url']}/dashboard")
     try:
         console.print_json(httpx.get(f"{st['scheduler_url']}/v1/status", timeout=5).text)
     except httpx.HTTPError as e:
@@ -657,6 +721,116 @@ def judge_calibrate(
     if report.get("infra_errors") == report.get("items"):
         raise typer.Exit(2)
 
+
+
+# ---------------------------------------------------------------- flywheel analytics (flywheel/analytics.py)
+
+analytics_app = typer.Typer(help="The topics in DuckDB: `flywheel analytics` ingests (incrementally, no "
+                                 "duplicates), `flywheel analytics query SQL` asks.")
+app.add_typer(analytics_app, name="analytics")
+DbOpt = Annotated[Optional[Path], typer.Option(help="The DuckDB file (default: <run dir>/analytics.duckdb).")]
+AnalyticsRunDirOpt = Annotated[Optional[Path], typer.Option(
+    help="Run directory (default: the running system's, from .flywheel/current.json).")]
+BootstrapOpt = Annotated[Optional[str], typer.Option(
+    help="Kafka bootstrap host:port (default: the running system's, from <run dir>/flywheel.json).")]
+FollowOpt = Annotated[bool, typer.Option("--follow", help="Keep reading new records until Ctrl-C.")]
+BatchOpt = Annotated[int, typer.Option(min=1, help="Records per transaction at most.")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="One line per committed batch.")]
+
+
+@analytics_app.callback(invoke_without_command=True)
+def analytics_cmd(ctx: typer.Context, run_dir: AnalyticsRunDirOpt = None, bootstrap: BootstrapOpt = None,
+                  follow: FollowOpt = False, db: DbOpt = None, batch_size: BatchOpt = 5000,
+                  verbose: VerboseOpt = False) -> None:
+    """Ingest tasks, rewards, metrics (and evals), alerts, group drops and control records into DuckDB (the
+    default command; same as `flywheel analytics ingest`)."""
+    if ctx.invoked_subcommand is None:
+        _analytics_ingest(run_dir, bootstrap, follow, db, batch_size, verbose)
+
+
+@analytics_app.command("ingest")
+def analytics_ingest(run_dir: AnalyticsRunDirOpt = None, bootstrap: BootstrapOpt = None, follow: FollowOpt = False,
+                     db: DbOpt = None, batch_size: BatchOpt = 5000, verbose: VerboseOpt = False) -> None:
+    """Ingest the topics into DuckDB from where the last ingest stopped; stop at their end unless --follow."""
+    _analytics_ingest(run_dir, bootstrap, follow, db, batch_size, verbose)
+
+
+def _analytics_db(db: Path | None, run_dir: Path | None) -> Path:
+    return db or (run_dir or Path(_state(None)["run_dir"])) / "analytics.duckdb"
+
+
+def _analytics_ingest(run_dir: Path | None, bootstrap: str | None, follow: bool, db: Path | None, batch_size: int,
+                      verbose: bool) -> None:
+    """`flywheel analytics [ingest]`: resolve the broker and the file, ingest, print the rows added per table;
+    a replaced log, a locked file or an unreachable broker: a red message and exit 1."""
+    import asyncio
+
+    import duckdb
+    from aiokafka.errors import KafkaError
+
+    from flywheel import analytics
+    from shared.config import KafkaConfig
+    from shared.kafka import install_stop_signals
+
+    if bootstrap is None:
+        st = _state(run_dir)
+        bootstrap, run_dir = st["bootstrap_servers"], run_dir or Path(st["run_dir"])
+    store = analytics.Store(_analytics_db(db, run_dir))
+
+    def progress(rep) -> None:
+        console.print(f"batch {rep.batches}: {rep.records} records read, rows added {rep.added}")
+
+    async def go():
+        stop = asyncio.Event()
+        install_stop_signals(stop)
+        return await analytics.ingest(store, KafkaConfig(bootstrap_servers=bootstrap), follow=follow, stop=stop,
+                                      batch_records=batch_size, on_batch=progress if verbose else None)
+
+    try:
+        rep = asyncio.run(go())
+        totals = store.counts()
+    except (analytics.LogChangedError, duckdb.Error, KafkaError, OSError) as e:
+        console.print(f"[red]analytics ingest into {store.path} failed: {e}[/]")
+        raise typer.Exit(1) from None
+    finally:
+        store.close()
+    console.print(f"{rep.records} records read in {rep.seconds:.1f} s ({rep.batches} batches) into {store.path}")
+    for name, total in totals.items():
+        console.print(f"  {name:<12} +{rep.added.get(name, 0):<8} {total} rows")
+
+
+@analytics_app.command("query")
+def analytics_query(
+    sql: Annotated[str, typer.Argument(help="SQL (read-only), or the name of a README question: "
+                                            "pass_rate_by_version, reward_histogram, length_inflation, hack_rate, "
+                                            "cost_per_domain, heldout_accuracy.")],
+    db: DbOpt = None, run_dir: AnalyticsRunDirOpt = None,
+    json_: Annotated[bool, typer.Option("--json", help="One JSON object per row (JSON lines).")] = False,
+) -> None:
+    """Run SQL on the analytics database and print a table (or JSON lines). Tables: tasks, rewards, metrics,
+    alerts, group_drops, control, rejected, ingest_offsets; views: samples, evals, metrics_wide."""
+    from decimal import Decimal
+
+    import duckdb
+    from rich.table import Table
+
+    from flywheel import analytics
+
+    try:
+        cols, rows = analytics.query(_analytics_db(db, run_dir), sql)
+    except (FileNotFoundError, duckdb.Error) as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(1) from None
+    if json_:
+        for row in rows:
+            typer.echo(orjson.dumps(dict(zip(cols, row)),
+                                    default=lambda o: float(o) if isinstance(o, Decimal) else str(o)).decode())
+        return
+    table = Table(*cols)
+    for row in rows:
+        table.add_row(*("NULL" if v is None else str(v) for v in row))
+    console.print(table)
+    console.print(f"{len(rows)} rows")
 
 if __name__ == "__main__":
     app()

@@ -25,6 +25,8 @@ log = logging.getLogger("flywheel")
 
 #: Start order: the sandbox before the verifier, the scheduler last (it issues work at once).
 SERVICES = ("sandbox", "verifier", "trainer", "rollout", "scheduler")
+#: Services that serve Prometheus metrics on a port of their own (the scheduler and the sandbox use their API's).
+METRICS_PORT_SERVICES = ("verifier", "trainer", "rollout")
 
 
 @dataclass
@@ -54,6 +56,16 @@ class LocalSystem:
     sandbox_url: str
     services: dict[str, ServiceProcess] = field(default_factory=dict)
     max_restarts: int = 2
+    metrics_ports: dict[str, int] = field(default_factory=dict)
+    """The metrics port given to each of :data:`METRICS_PORT_SERVICES` (``FLYWHEEL_TELEMETRY__METRICS_PORT``),
+    kept over restarts."""
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """``{service: URL of its Prometheus /metrics}`` for all five services."""
+        urls = {"scheduler": f"{self.scheduler_url}/metrics", "sandbox": f"{self.sandbox_url}/metrics"}
+        urls.update({n: f"http://127.0.0.1:{p}/metrics" for n, p in self.metrics_ports.items()})
+        return {n: urls[n] for n in SERVICES if n in urls}
 
     @classmethod
     def start(cls, config_path: str | os.PathLike, run_dir: str | os.PathLike, overrides: dict[str, str] | None = None,
@@ -92,7 +104,8 @@ class LocalSystem:
             "OMP_NUM_THREADS": "1",
             "TOKENIZERS_PARALLELISM": "false",
         })
-        system = cls(run_dir, env, broker, f"http://127.0.0.1:{scheduler_port}", f"http://127.0.0.1:{sandbox_port}")
+        system = cls(run_dir, env, broker, f"http://127.0.0.1:{scheduler_port}", f"http://127.0.0.1:{sandbox_port}",
+                     metrics_ports={n: free_port() for n in METRICS_PORT_SERVICES})
         try:
             for name in SERVICES:
                 system._spawn(name)
@@ -107,7 +120,10 @@ class LocalSystem:
     def _spawn(self, name: str) -> None:
         log_path = self.run_dir / "logs" / f"{name}.out"
         out = open(log_path, "ab")
-        proc = subprocess.Popen([sys.executable, "-m", f"{name}_service"], env=self.env, stdout=out,
+        env = self.env
+        if name in self.metrics_ports:  # the same port on every restart: a scraper keeps its target
+            env = {**env, "FLYWHEEL_TELEMETRY__METRICS_PORT": str(self.metrics_ports[name])}
+        proc = subprocess.Popen([sys.executable, "-m", f"{name}_service"], env=env, stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                                 cwd=self.run_dir)
         out.close()
@@ -174,6 +190,7 @@ class LocalSystem:
             "sandbox_url": self.sandbox_url, "bootstrap_servers": self.env["FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS"],
             "broker_pid": self.broker.pid if self.broker else None,
             "services": {n: sp.process.pid for n, sp in self.services.items()},
+            "metrics_urls": self.metrics_urls,
         }
         (self.run_dir / "flywheel.json").write_bytes(orjson.dumps(state, option=orjson.OPT_INDENT_2))
 

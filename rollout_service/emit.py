@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiokafka import AIOKafkaProducer
 from opentelemetry import trace
@@ -23,6 +23,9 @@ from rollout_service.tool_loop import Rollout
 from shared import kafka, topics
 from shared.schemas import RolloutRequest, Trajectory, VersionSpan
 from shared.telemetry import extract_context
+
+if TYPE_CHECKING:
+    from rollout_service.metrics import RolloutMetrics
 
 
 @dataclass
@@ -96,14 +99,18 @@ class RolloutStats:
     """Seconds the engine spent generating (holding the :class:`rollout_service.engine.EngineGate`)."""
     started: float | None = None
     """``time.perf_counter()`` when the service started taking requests (:meth:`start`)."""
+    sink: RolloutMetrics | None = None
+    """Prometheus families fed with every engine call, published sample and refused request (``None``: none)."""
 
     def start(self) -> None:
         """Mark now as the start of ``rollout/wall_s``."""
         self.started = time.perf_counter()
 
     def add_busy(self, seconds: float) -> None:
-        """Count ``seconds`` of engine time (the gate's ``on_busy``)."""
+        """Count ``seconds`` of engine time (the gate's ``on_busy``: one generate call)."""
         self.busy_s += seconds
+        if self.sink is not None:
+            self.sink.generate_seconds.observe(seconds)
 
     def utilisation(self) -> dict[str, float]:
         """``rollout/busy_s``, ``rollout/wall_s`` (seconds since :meth:`start`) and ``rollout/idle_fraction``
@@ -114,8 +121,10 @@ class RolloutStats:
         idle = min(1.0, max(0.0, 1.0 - self.busy_s / wall)) if wall > 0 else 0.0
         return {"rollout/busy_s": self.busy_s, "rollout/wall_s": wall, "rollout/idle_fraction": idle}
 
-    def add(self, c: Completion) -> None:
-        """Count one published completion."""
+    def add(self, c: Completion, request: RolloutRequest | None = None) -> None:
+        """Count one published completion (of ``request``, which labels it in :attr:`sink`)."""
+        if self.sink is not None and request is not None:
+            self.sink.published(request, c)
         self.samples += 1
         self.tokens += c.generated_tokens
         self.tool_rounds += c.tool_rounds
@@ -162,8 +171,10 @@ async def publish(producer: AIOKafkaProducer, tokenizer, groups: list[Group], po
     """Send one Trajectory per completion of every group to flywheel.trajectories, then wait for all
     the acks (the caller commits the requests after this returns).
 
-    Each group's records are sent inside a ``rollout`` span (attributes ``group_id``, ``n`` and
-    ``policy_version``, the engine's version now) parented on its request's trace context.
+    Each group's records are sent inside a ``rollout`` span parented on its request's trace context (the
+    scheduler's ``issue_group`` span), starting when the request was picked up (``issued_at`` + the
+    ``queue`` timing), so it covers generation and publishing; attributes ``group_id``, ``domain``,
+    ``purpose``, ``n``, ``policy_version`` (the engine's version now), ``queue_s`` and ``generate_s``.
 
     Raises:
         aiokafka.errors.KafkaError: a record was not acknowledged (nothing is committed then).
@@ -172,11 +183,14 @@ async def publish(producer: AIOKafkaProducer, tokenizer, groups: list[Group], po
     tracer = trace.get_tracer("rollout")
     for g in groups:
         r = g.request
-        with tracer.start_as_current_span("rollout", context=extract_context(g.headers),
-                                          attributes={"group_id": r.group_id, "n": r.n,
-                                                      "policy_version": policy_version}):
+        picked_ns = min(time.time_ns(), int((r.issued_at + g.timings.get("queue", 0.0)) * 1e9))
+        attrs = {"group_id": r.group_id, "domain": r.task.domain, "purpose": r.purpose, "n": r.n,
+                 "policy_version": policy_version, "queue_s": g.timings.get("queue", 0.0),
+                 "generate_s": g.timings.get("generate", 0.0)}
+        with tracer.start_as_current_span("rollout", context=extract_context(g.headers), attributes=attrs,
+                                          start_time=picked_ns):
             for i, c in enumerate(g.completions):
                 futures.append(await kafka.send(producer, topics.TRAJECTORIES, make_trajectory(g, i, tokenizer),
                                                 r.group_id))
-                stats.add(c)
+                stats.add(c, r)
     await asyncio.gather(*futures)

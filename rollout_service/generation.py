@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
+from opentelemetry import trace
 
 from rollout_service.batching import Batch, Headers
 from rollout_service.emit import Completion, Group, RolloutStats, publish
@@ -27,6 +28,7 @@ from rollout_service.engine import Engine, EngineGate, GenerationRequest, Sample
 from rollout_service.tool_loop import ToolRunner, run_tool_loop
 from shared.model import encode_chat
 from shared.schemas import RolloutRequest, VersionSpan
+from shared.telemetry import extract_context
 
 log = logging.getLogger("rollout")
 
@@ -117,15 +119,22 @@ class BatchGenerator:
         msg = (f"prompt of {prompt_tokens} tokens + {r.sampling.max_new_tokens} new exceeds the context "
                f"({self.engine.max_context})")
         log.warning("group %s: %s", r.group_id, msg)
+        if self.stats.sink is not None:
+            self.stats.sink.requests_dropped.labels("context_overflow").inc()
         return [Sample([], [], "error", [VersionSpan(version=self.engine.policy_version, start=0, end=0)], msg)
                 for _ in range(r.n)]
 
     async def _tool_group(self, r: RolloutRequest, headers: Headers) -> None:
-        """The multi-turn loop for one request (``r.n`` trajectories), then its trajectories."""
+        """The multi-turn loop for one request (``r.n`` trajectories), then its trajectories.
+
+        The loop runs in a ``tool_loop`` span (a child of the request's trace context, attribute
+        ``group_id``), so the sandbox's spans for its tool calls join the group's trace."""
         picked, t0 = time.time(), time.perf_counter()
         prompt = self.encode(r)
-        rollouts = await run_tool_loop(self.gate, self.tokenizer, self.tools, r.task, prompt, r.n, r.sampling,
-                                       self.max_trajectory_tokens)
+        with trace.get_tracer("rollout").start_as_current_span(
+                "tool_loop", context=extract_context(headers), attributes={"group_id": r.group_id, "n": r.n}):
+            rollouts = await run_tool_loop(self.gate, self.tokenizer, self.tools, r.task, prompt, r.n, r.sampling,
+                                           self.max_trajectory_tokens)
         timings = {"queue": max(0.0, picked - r.issued_at), "generate": time.perf_counter() - t0}
         version = self.engine.policy_version
         group = Group(r, headers, prompt, [Completion.from_rollout(ro, version) for ro in rollouts], timings)

@@ -11,7 +11,8 @@ reaches every request's ``min_policy_version`` → generate in a worker thread, 
 loop concurrently, one engine call at a time (rollout_service/generation.py) → produce one Trajectory
 per sample and await the acks (rollout_service/emit.py) → commit. Every 10 s (once a sample was
 produced) the running ``rollout/*`` (engine utilisation included: ``rollout/busy_s``, ``wall_s``,
-``idle_fraction``) and ``weights/broadcast_*`` metrics go to flywheel.metrics.
+``idle_fraction``) and ``weights/broadcast_*`` metrics go to flywheel.metrics. Prometheus metrics
+(:mod:`rollout_service.metrics`) are served on ``telemetry.metrics_port`` when it is set.
 
 Weight versions are read from flywheel.weights without a consumer group (every replica sees
 every version, from the earliest offset), and at start-up from the checkpoint store's newest
@@ -37,12 +38,15 @@ from rollout_service.config import RolloutSettings
 from rollout_service.emit import RolloutStats
 from rollout_service.engine import Engine
 from rollout_service.generation import BatchGenerator
+from rollout_service.metrics import RolloutMetrics
 from rollout_service.tool_loop import ToolRunner
 from rollout_service.weights import WeightIntake
 from shared import kafka, topics
 from shared.config import KafkaConfig
+from shared.metrics import serve_metrics
 from shared.model import load_model, load_tokenizer, resolve_model_dir
 from shared.schemas import Metrics
+from shared.telemetry import flush_tracing
 
 log = logging.getLogger("rollout")
 
@@ -136,30 +140,43 @@ async def run(config: RolloutSettings, stop: asyncio.Event | None = None) -> Non
     clients = KafkaClients.make(config.kafka, cfg.pool)
     await clients.start()
     intake.start(clients.weights, stop)
-    stats = RolloutStats()
+    prom = RolloutMetrics()
+    prom.watch_engine(lambda: engine.policy_version)
+    intake.on_load = prom.weight_load_seconds.observe
+    stats = RolloutStats(sink=prom)
     gen = BatchGenerator(engine, tok, clients.producer, ToolRunner(cfg.sandbox_url, cfg.tool_timeout_s), stats,
                          config.model.system_prompt, cfg.max_trajectory_tokens)
     last_metrics = time.monotonic()
     stats.start()
     log.info("serving rollout pool %r (%s, group %s)", cfg.pool, topics.rollout_requests(cfg.pool),
              request_group(cfg.pool))
+    metrics_server = serve_metrics(config.telemetry, prom.registry)
     try:
         while not stop.is_set():
             batch = await take_batch(clients.requests, clients.producer, cfg.max_batch_requests, cfg.max_batch_samples)
+            if dead := sum(map(len, batch.records.values())) - len(batch.requests):  # dead-lettered by take_batch
+                prom.dlq.labels(topics.rollout_requests(cfg.pool)).inc(dead)
+                prom.requests_dropped.labels("malformed").inc(dead)
             await intake.apply_newest()
             if batch.requests:
                 await intake.wait_for(batch.min_policy_version, stop)
                 if stop.is_set():
+                    prom.requests_dropped.labels("interrupted").inc(len(batch.requests))
                     break  # uncommitted
                 if (lag := intake.first_generation_lag()) is not None:  # announced → first token with it
                     stats.publish_to_first_token_s = lag
+                t0 = time.perf_counter()
                 await gen.run(batch)
+                prom.batch_seconds.observe(time.perf_counter() - t0)
             await kafka.commit_batch(clients.requests, batch.records)
             if time.monotonic() - last_metrics > METRICS_EVERY_S and stats.samples:
                 await _send_metrics(clients.producer, stats, engine, intake)
                 last_metrics = time.monotonic()
     finally:
         stop.set()
+        flush_tracing()
+        if metrics_server is not None:
+            metrics_server.close()
         await intake.close()
         await gen.tools.close()
         await clients.stop()

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from opentelemetry import propagate
 
 from rollout_service.engine import Engine, EngineGate, GenerationRequest
 from shared.schemas import SamplingParams, Task, VersionSpan
@@ -90,7 +91,9 @@ class ToolRunner:
             if spec.entry_point:
                 body["entry_point"] = spec.entry_point
         try:
-            r = await self.http.post("/v1/execute", json=body, timeout=self.timeout_s + 30)
+            headers: dict[str, str] = {}
+            propagate.inject(headers)  # the W3C trace context: the sandbox's span joins the group's trace
+            r = await self.http.post("/v1/execute", json=body, headers=headers, timeout=self.timeout_s + 30)
             r.raise_for_status()
             out = r.json()
         except (httpx.HTTPError, ValueError) as e:

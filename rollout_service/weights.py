@@ -28,6 +28,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -245,6 +246,8 @@ class WeightIntake:
                          if config.weights.transport == "distributed" else None)
         self._tasks: list[asyncio.Task] = []
         self._first_token_version = engine.policy_version
+        self.on_load: Callable[[float], None] | None = None
+        """Called with the seconds of every :meth:`apply_newest` that changed the engine's version."""
 
     @property
     def stats(self) -> dict[str, float]:
@@ -266,8 +269,11 @@ class WeightIntake:
             self._tasks.append(asyncio.create_task(self._interrupt_on_new_weights(stop)))
 
     async def apply_newest(self) -> None:
-        """:func:`apply_newest` with this run's watcher and follower."""
+        """:func:`apply_newest` with this run's watcher and follower (timed for :attr:`on_load`)."""
+        before, t0 = self.engine.policy_version, time.perf_counter()
         await apply_newest(self.engine, self.watcher, self.follower)
+        if self.on_load is not None and self.engine.policy_version != before:
+            self.on_load(time.perf_counter() - t0)
 
     async def wait_for(self, version: int, stop: asyncio.Event) -> None:
         """Until the engine holds ``version`` (or ``stop``): wait for a new announcement (at most

@@ -9,7 +9,8 @@
   failures, never as a wrong answer.
 - ``GET /healthz``: isolation layers, degraded layers, workers, breaker, run counts. HTTP 200 while
   the service takes work, 503 while the breaker is open or no worker is alive.
-- ``GET /metrics``: Prometheus text (runs by status, attempts, environment failures, latency).
+- ``GET /metrics``: Prometheus text (:mod:`sandbox_service.metrics`: runs by status, latency by language,
+  attempts, environment failures, busy and idle slots, the breaker).
 
 Every execution is logged as one structured line with its run id and the W3C trace id from the
 request's ``traceparent`` header.
@@ -24,7 +25,7 @@ import orjson
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from opentelemetry import propagate
 
 from sandbox_service.config import SandboxConfig
@@ -32,7 +33,8 @@ from sandbox_service.isolation import Capabilities, probe
 from sandbox_service.pool import Overloaded, Pool
 from sandbox_service.schemas import ExecuteRequest, ExecuteResult
 from shared.http import install_validation_handler
-from shared.telemetry import setup_tracing
+from shared.metrics import render
+from shared.telemetry import HTTP_TELEMETRY, setup_tracing
 
 log = logging.getLogger("sandbox.api")
 
@@ -109,7 +111,7 @@ def create_app(config: SandboxConfig, caps: Capabilities | None = None) -> FastA
         finally:
             await pool.close()
 
-    app = FastAPI(title="Flywheel sandbox", lifespan=lifespan)
+    app = FastAPI(title="Flywheel sandbox", lifespan=lifespan, telemetry=HTTP_TELEMETRY)
     install_validation_handler(app)
 
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
@@ -119,9 +121,11 @@ def create_app(config: SandboxConfig, caps: Capabilities | None = None) -> FastA
         h = app.state.pool.health()
         return JSONResponse(h, status_code=200 if h["status"] != "unavailable" else 503)
 
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics() -> str:
-        return app.state.pool.prometheus()
+    @app.get("/metrics", response_class=Response)
+    async def metrics(request: Request) -> Response:
+        # async: the pool's state is read on the event loop, where the executions change it
+        body, content_type = render(app.state.pool.metrics.registry, request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     @app.post("/v1/execute", response_model=ExecuteResult, responses={200: {"model": ExecuteResult}})
     async def execute(req: ExecuteRequest, request: Request) -> Response:

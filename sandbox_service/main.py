@@ -7,7 +7,7 @@ import uvicorn
 from sandbox_service.api import check_isolation, create_app
 from sandbox_service.isolation import probe
 from sandbox_service.config import SandboxSettings
-from shared.telemetry import setup_logging
+from shared.telemetry import flush_tracing, setup_logging, setup_tracing
 
 
 async def run(config: SandboxSettings) -> None:
@@ -19,11 +19,15 @@ async def run(config: SandboxSettings) -> None:
         OSError: the port cannot be bound.
     """
     log = setup_logging("sandbox", config.run.log_level, config.run.path("logs"))
+    setup_tracing("sandbox", config.telemetry, config.run)  # before create_app, whose own call then keeps it
     cfg = config.sandbox
     caps = probe()
     check_isolation(cfg, caps)  # refuse before binding the port
     app = create_app(cfg, caps)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning"))
     log.info("sandbox listening on %s:%d", cfg.host, cfg.port)
-    await server.serve()
+    try:
+        await server.serve()
+    finally:
+        flush_tracing()
     log.info("sandbox stopped")

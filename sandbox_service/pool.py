@@ -34,6 +34,7 @@ from sandbox_service.cgroups import SlotCgroup, slot_cgroup_names
 from sandbox_service.config import SandboxConfig
 from sandbox_service.isolation import Capabilities
 from sandbox_service.isolation import isolation_layers
+from sandbox_service.metrics import SandboxMetrics
 from sandbox_service.schemas import ExecuteRequest, ExecuteResult, Status, TestResult
 
 log = logging.getLogger("sandbox.pool")
@@ -42,7 +43,6 @@ BACKSTOP_SLACK_S = 10.0
 """Seconds past a run's own wall limit after which its worker is considered hung and killed."""
 _PKG_ROOT = str(Path(__file__).resolve().parents[1])
 _SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
-LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
 
 
 def _records(channel: bytes, token: str) -> list[dict]:
@@ -289,8 +289,8 @@ class Pool:
         self.closing = False
         self.counters = collections.Counter()
         self.runs: dict[str, int] = {s: 0 for s in get_args(Status)}
-        self.latency = [0] * len(LATENCY_BUCKETS_S)
-        self.latency_sum = 0.0
+        self.metrics = SandboxMetrics(self)
+        """Prometheus families (``GET /metrics``): the latency histogram, and this pool's state read when scraped."""
         self._tasks: set[asyncio.Task] = set()
         self._cleanups: set[asyncio.Task] = set()
         self._canary_wire = self._wire(ExecuteRequest(code="pass", timeout_s=5.0, memory_mb=64, max_processes=4,
@@ -434,7 +434,7 @@ class Pool:
             log.warning("sandbox attempt %d of run %s failed in the environment: %s", attempt, run_id, last_error)
         result = self._result(req, raw, token, run_id, attempt, last_error)
         self.breaker.record(result.status == "infra_error")
-        self._count(result, time.monotonic() - t0)
+        self._count(result, time.monotonic() - t0, req.language)
         return result
 
     async def _canary(self, w: WorkerHandle) -> bool:
@@ -531,13 +531,9 @@ class Pool:
             },
         }
 
-    def _count(self, r: ExecuteResult, seconds: float) -> None:
+    def _count(self, r: ExecuteResult, seconds: float, language: str) -> None:
         self.runs[r.status] += 1
-        self.latency_sum += seconds
-        for i, b in enumerate(LATENCY_BUCKETS_S):
-            if seconds <= b:
-                self.latency[i] += 1
-                break
+        self.metrics.execution_seconds.labels(language).observe(seconds)
 
     def health(self) -> dict:
         """State for ``/healthz``."""
@@ -552,24 +548,6 @@ class Pool:
             "breaker": self.breaker.snapshot(), "runs": dict(self.runs), "running": self.running,
             "waiting": self.waiting, "counters": dict(self.counters),
         }
-
-    def prometheus(self) -> str:
-        """Counters and the latency histogram in the Prometheus text format (for ``/metrics``)."""
-        lines = ["# TYPE flywheel_sandbox_runs_total counter"]
-        lines += [f'flywheel_sandbox_runs_total{{status="{s}"}} {n}' for s, n in self.runs.items()]
-        for k in ("attempts", "environment_failures", "workers_started", "workers_recycled", "workers_found_dead",
-                  "health_checks", "health_check_failures", "breaker_trials"):
-            lines += [f"# TYPE flywheel_sandbox_{k}_total counter", f"flywheel_sandbox_{k}_total {self.counters[k]}"]
-        lines += ["# TYPE flywheel_sandbox_breaker_open gauge",
-                  f"flywheel_sandbox_breaker_open {int(self.breaker.state != 'closed')}",
-                  "# TYPE flywheel_sandbox_execution_seconds histogram"]
-        acc = 0
-        for b, n in zip(LATENCY_BUCKETS_S, self.latency):
-            acc += n
-            lines.append(f'flywheel_sandbox_execution_seconds_bucket{{le="{"+Inf" if b == float("inf") else b}"}} {acc}')
-        lines += [f"flywheel_sandbox_execution_seconds_sum {self.latency_sum:.6f}",
-                  f"flywheel_sandbox_execution_seconds_count {acc}"]
-        return "\n".join(lines) + "\n"
 
     async def close(self) -> None:
         """Stop every worker (and the runs in them)."""

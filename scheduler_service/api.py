@@ -8,9 +8,10 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 
 from scheduler_service.config import SchedulerSettings
-from scheduler_service.routes import domains, evals, monitor, status, tasks
+from scheduler_service.routes import dashboard, domains, evals, metrics, monitor, status, tasks
 from scheduler_service.state import SchedulerState
 from shared.http import install_validation_handler
+from shared.telemetry import HTTP_TELEMETRY
 
 
 def create_app(config: SchedulerSettings, state: SchedulerState) -> FastAPI:
@@ -19,7 +20,8 @@ def create_app(config: SchedulerSettings, state: SchedulerState) -> FastAPI:
     Routes: ``POST/GET /v1/tasks``, ``POST/GET /v1/evals``, ``GET/PUT/PATCH /v1/domains[/{domain}]``
     (and ``POST .../pause``, ``.../resume``, ``.../breaker/{open,close}``), ``GET /v1/alerts``,
     ``GET /v1/monitor``, ``POST /v1/control``, ``POST /v1/training/{pause,resume}``, ``GET /v1/status``,
-    ``GET /v1/metrics/history``, ``GET /healthz``; OpenAPI docs at ``/docs``.
+    ``GET /v1/metrics/history``, ``GET /healthz``, ``GET /metrics`` (Prometheus); the live page
+    ``GET /dashboard`` and its JSON ``GET /v1/dashboard/{data,trace/{group_id}}``; OpenAPI docs at ``/docs``.
     """
 
     @asynccontextmanager
@@ -30,10 +32,11 @@ def create_app(config: SchedulerSettings, state: SchedulerState) -> FastAPI:
         finally:
             await state.stop()
 
-    app = FastAPI(title="Flywheel scheduler", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="Flywheel scheduler", version="0.1.0", lifespan=lifespan, telemetry=HTTP_TELEMETRY)
     app.state.scheduler = state
     app.state.config = config
-    for r in (tasks.router, evals.router, domains.router, monitor.router, status.router):
+    for r in (tasks.router, evals.router, domains.router, monitor.router, status.router, dashboard.router,
+              metrics.router):
         app.include_router(r)
     install_validation_handler(app)
     return app

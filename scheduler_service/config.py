@@ -331,6 +331,9 @@ class SchedulerConfig(BaseModel):
     """Window of ``throughput_samples_per_s`` in ``GET /v1/status`` (seconds)."""
     recent_samples: int = Field(256, ge=1, le=1_000_000)
     """Train reward events kept for the recent reward mean and staleness in ``GET /v1/status``."""
+    metrics_interval_s: float = Field(10.0, gt=0, le=3600)
+    """Seconds between two ``Metrics(source="scheduler")`` gauge records on flywheel.metrics (groups issued,
+    in flight and completed, policy version, throughput, breakers...: ``scheduler_service.reports``)."""
     issue_order: Literal["cost", "fifo"] = "cost"
     """Order of the groups the mix chose. ``cost``: among the domains due within the next
     ``cost_lookahead`` decisions the one whose groups take the most work (learned from the samples' cost:

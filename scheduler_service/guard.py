@@ -27,6 +27,7 @@ from typing import Any, Awaitable, Callable
 from aiokafka import AIOKafkaProducer
 
 from scheduler_service.config import SchedulerSettings, check_overrides, deep_merge
+from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.monitor import DriftMonitor
 from scheduler_service.registry import IssuedGroup, Registry
 from shared import topics
@@ -52,13 +53,15 @@ class DriftGuard:
         registry: the opened registry (alerts, breakers, pauses are stored there).
         producer: a started producer, or ``None`` (REST-only use: nothing is published).
         blocked: the planner's set of domains whose training groups are not issued (updated in place).
+        metrics: the process's Prometheus families (alerts, dead letters); ``None``: a private set.
     """
 
     def __init__(self, config: SchedulerSettings, registry: Registry, producer: AIOKafkaProducer | None,
-                 blocked: set[str] | None = None) -> None:
+                 blocked: set[str] | None = None, metrics: SchedulerMetrics | None = None) -> None:
         self.cfg = config
         self.registry = registry
         self.producer = producer
+        self.metrics = metrics if metrics is not None else SchedulerMetrics()
         self.blocked = blocked if blocked is not None else set()
         self.monitor = DriftMonitor(config.monitor, self._domain_overrides)
         self.monitor.restore(registry.breakers(), registry.active_alerts())
@@ -149,6 +152,7 @@ class DriftGuard:
         self.registry.record_alerts(alerts)
         self.registry.save_breakers(changed)
         self._sync_blocked()
+        self.metrics.raised(alerts)
         for a in alerts:
             log.log(_LOG_LEVEL[a.severity], "ALERT %s %s [%s]: %s", a.status, a.key, a.severity, a.message)
         records: list[tuple[str, Any, str]] = [(topics.ALERTS, a, a.key) for a in alerts]
@@ -261,7 +265,10 @@ class DriftGuard:
     async def on_control(self, msg) -> None:
         """Handle one flywheel.control record (malformed: DLQ; our own: skipped; refused: logged)."""
         ctrl = await decode_or_dead_letter(self.producer, msg, Control, self.name)
-        if ctrl is None or ctrl.control_id in self._applied or ctrl.origin == "scheduler":
+        if ctrl is None:
+            self.metrics.dlq.labels(msg.topic).inc()
+            return
+        if ctrl.control_id in self._applied or ctrl.origin == "scheduler":
             return
         try:
             await self.apply(ctrl)

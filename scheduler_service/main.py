@@ -8,7 +8,7 @@ from scheduler_service.api import create_app
 from scheduler_service.config import SchedulerSettings
 from scheduler_service.registry import Registry
 from scheduler_service.state import SchedulerState
-from shared.telemetry import setup_logging, setup_tracing
+from shared.telemetry import flush_tracing, setup_logging, setup_tracing
 
 
 async def run(config: SchedulerSettings) -> None:
@@ -19,7 +19,7 @@ async def run(config: SchedulerSettings) -> None:
         aiokafka.errors.KafkaError: the broker cannot be reached at start-up.
     """
     log = setup_logging("scheduler", config.run.log_level, config.run.path("logs"))
-    setup_tracing("scheduler")
+    setup_tracing("scheduler", config.telemetry, config.run)
     registry = Registry.from_url(config.scheduler.database_url, config.run)
     log.info("registry at %s", registry.path)
     try:
@@ -29,3 +29,4 @@ async def run(config: SchedulerSettings) -> None:
         await server.serve()
     finally:
         registry.close()
+        flush_tracing()

@@ -475,8 +475,8 @@ class DriftMonitor:
         return self._close(domain, br, policy_version, "the probe was healthy")
 
     def observe_metrics(self, m: Metrics) -> list[Alert]:
-        """Take the trainer's Metrics: the run-wide ``kl`` and ``entropy_collapse`` signals."""
-        if not self.cfg.enabled or m.source != "trainer":
+        """Take the trainer's run-wide Metrics (``domain`` None): the ``kl`` and ``entropy_collapse`` signals."""
+        if not self.cfg.enabled or m.source != "trainer" or m.domain is not None:
             return []
         readings = {}
         kl = m.values.get("loss/kl_ref_mean")

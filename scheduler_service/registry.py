@@ -214,6 +214,7 @@ class Registry(DomainTables, MonitorTables):
         # columns a registry written by an earlier version lacks: re-samples, the trainer's drops, domains
         _add_columns(self._db, "groups", {"resample_of": "TEXT", "dropped": "TEXT", "domain": "TEXT"})
         _add_columns(self._db, "tasks", TASK_COLUMNS)
+        _add_columns(self._db, "rewards", {"completion_tokens": "INTEGER", "completion_hash": "TEXT"})  # dashboard
         self._db.executescript(_INDEXES)
         self._rng = random.Random(0)
         self._ahead: dict[str, dict[int, list[tuple[str, int, int]]]] = {}
@@ -626,9 +627,10 @@ class Registry(DomainTables, MonitorTables):
             counted = dup_index is None and 0 <= ev.sample_index < g["n"]
             cur = db.execute(
                 "INSERT OR IGNORE INTO rewards (trajectory_id, group_id, sample_index, counted, passed, reward,"
-                " infra_error, policy_version, received_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " infra_error, policy_version, received_at, completion_tokens, completion_hash)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (ev.trajectory_id, ev.group_id, ev.sample_index, int(counted), int(ev.passed), ev.reward,
-                 int(ev.infra_error), ev.policy_version, time.time()),
+                 int(ev.infra_error), ev.policy_version, time.time(), ev.completion_tokens, ev.completion_hash),
             )
             if cur.rowcount == 0:
                 return nothing
@@ -743,6 +745,18 @@ class Registry(DomainTables, MonitorTables):
     def eval_rounds(self) -> list[dict[str, Any]]:
         """Summaries of every eval round, oldest first."""
         return [self.eval_round(r["id"]) for r in self._all("SELECT id FROM eval_rounds ORDER BY id")]
+
+    def reward_rows_after(self, rowid: int, limit: int) -> list[dict[str, Any]]:
+        """Up to ``limit`` counted reward rows stored after row ``rowid``, in storage order, each with its
+        group's ``domain``, ``purpose`` and size ``n`` (the dashboard reads the table incrementally:
+        ``scheduler_service.dashboard_data``). Keys: ``rowid``, ``group_id``, ``domain``, ``purpose``, ``n``,
+        ``passed``, ``reward``, ``infra_error``, ``policy_version`` (behaviour), ``received_at`` (Unix s),
+        ``completion_tokens`` and ``completion_hash`` (``None`` in rows written before they were stored)."""
+        return [dict(r) for r in self._all(
+            "SELECT r.rowid AS rowid, r.group_id, g.domain, g.purpose, g.n, r.passed, r.reward, r.infra_error,"
+            " r.policy_version, r.received_at, r.completion_tokens, r.completion_hash FROM rewards r"
+            ' JOIN "groups" g ON g.group_id = r.group_id WHERE r.rowid > ? AND r.counted = 1 ORDER BY r.rowid'
+            " LIMIT ?", rowid, limit)]
 
     # ------------------------------------------------------------ key/values
 

@@ -33,12 +33,15 @@ import time
 
 import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from scheduler_service.config import SchedulerSettings
 from scheduler_service.guard import DriftGuard
 from scheduler_service.issuing import IssuePlanner, TaskMaker
+from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.registry import IssuedGroup, Registry
+from scheduler_service.reports import Reporter
 from scheduler_service.stats import Stats
 from shared import topics
 from shared.kafka import commit_batch, decode_or_dead_letter, ensure_topics, make_consumer, send
@@ -80,18 +83,23 @@ class Sampler:
         registry: the opened task registry.
         producer: a started Kafka producer (requests, dead letters).
         stats: the process's ``GET /v1/status`` statistics, fed with every reward and metrics record.
+        metrics: the process's Prometheus families (``GET /metrics``); ``None``: a private set.
     """
 
     def __init__(self, config: SchedulerSettings, registry: Registry, producer: AIOKafkaProducer,
-                 stats: Stats) -> None:
+                 stats: Stats, metrics: SchedulerMetrics | None = None) -> None:
         self.cfg = config
         self.registry = registry
         self.producer = producer
         self.stats = stats
+        self.metrics = metrics if metrics is not None else SchedulerMetrics()
         self.rng = random.Random(self.cfg.scheduler.seed)
         self.planner = IssuePlanner(config, registry)
         self.maker = TaskMaker(config, registry)
-        self.guard = DriftGuard(config, registry, producer, self.planner.blocked)
+        self.guard = DriftGuard(config, registry, producer, self.planner.blocked, metrics=self.metrics)
+        self.reports = Reporter(registry, stats, producer, config.scheduler.metrics_interval_s,
+                                lambda: {d: b.state for d, b in self.guard.monitor.breakers.items()},
+                                lambda: len(self.guard.monitor.active))
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._making: asyncio.Task | None = None
@@ -171,11 +179,13 @@ class Sampler:
             await self._sleep(self.cfg.scheduler.poll_interval_s)
 
     async def tick(self) -> None:
-        """One pass: deadlines, automatic evals, pending eval groups, then new training groups."""
+        """One pass: deadlines, automatic evals, pending eval groups, the guard, the flywheel.metrics reports,
+        then new training groups."""
         sc = self.cfg.scheduler
         reissued, abandoned = self.registry.expire_groups(sc.group_deadline_s, sc.max_attempts)
         for gid in abandoned:
             log.warning("group %s abandoned after %d attempts", gid, sc.max_attempts)
+        self.metrics.groups_abandoned.inc(len(abandoned))
         if reissued:
             log.info("re-issuing %d groups past their deadline", len(reissued))
             await self._send(reissued)
@@ -184,6 +194,7 @@ class Sampler:
         if pending:
             await self._send(pending)
         await self.guard.tick(self._issue_probe)
+        await self.reports.tick()  # finished eval rounds and the periodic gauges on flywheel.metrics
         if self.training_allowed():
             await self._issue_training()
         self._make_tasks()
@@ -316,11 +327,16 @@ class Sampler:
             await ensure_topics(self.cfg.kafka, sorted(new))
             self._topics |= new
         futs = []
-        for g in groups:  # one trace per group: rollout, verifier and trainer continue it via record headers
-            with tracer.start_as_current_span("issue_group", attributes={"group_id": g.group_id,
-                                                                         "purpose": g.purpose, "attempt": g.attempt}):
+        version = self.registry.policy_version
+        for g in groups:  # one trace per group, rooted here: rollout, verifier and trainer continue it via headers
+            attrs = {"group_id": g.group_id, "domain": g.domain, "task_id": g.task_id, "purpose": g.purpose,
+                     "attempt": g.attempt, "n": g.n, "policy_version": version}
+            if g.eval_round is not None:
+                attrs["eval_round"] = g.eval_round
+            with tracer.start_as_current_span("issue_group", context=otel_context.Context(), attributes=attrs):
                 futs.append(await send(producer, topics.rollout_requests(g.pool), self._request(g), key=g.group_id))
         await asyncio.gather(*futs)
+        self.metrics.issued(groups)
         for g in groups:
             log.info("issued group %s (%s, attempt %d, n=%d)", g.group_id, g.purpose, g.attempt, g.n)
 
@@ -364,10 +380,18 @@ class Sampler:
         else:
             await self._on_reward(msg)
 
+    async def _decode(self, msg, cls):
+        """Decode ``msg`` as ``cls``; a malformed record is dead-lettered, counted, and ``None`` returned."""
+        rec = await decode_or_dead_letter(self.producer, msg, cls, self.name)
+        if rec is None:
+            self.metrics.dlq.labels(msg.topic).inc()
+        return rec
+
     async def _on_drop(self, msg) -> None:
-        ev = await decode_or_dead_letter(self.producer, msg, GroupDropped, self.name)
+        ev = await self._decode(msg, GroupDropped)
         if ev is None:
             return
+        self.metrics.group_drops.labels(ev.reason).inc()
         freed = self.registry.record_drop(ev.group_id, ev.reason)
         if freed is not None:
             log.warning("trainer dropped group %s (%s, behaviour version %s at policy version %d): its slot is "
@@ -375,7 +399,7 @@ class Sampler:
                         ev.policy_version)
 
     async def _on_reward(self, msg) -> None:
-        ev = await decode_or_dead_letter(self.producer, msg, RewardEvent, self.name)
+        ev = await self._decode(msg, RewardEvent)
         if ev is None:
             return
         budget = self.cfg.budget
@@ -391,6 +415,7 @@ class Sampler:
         if outcome.counted:
             await self.guard.on_reward(ev, selected=outcome.selected)
         self.stats.on_reward(ev, outcome, self.registry.policy_version)
+        self.metrics.reward(ev, outcome, self.registry.policy_version)
         if outcome.completed:
             log.info("group %s complete", ev.group_id)
         for note in outcome.notes:
@@ -406,14 +431,14 @@ class Sampler:
 
     async def _on_watch(self, msg) -> None:
         if msg.topic == topics.WEIGHTS:
-            wu = await decode_or_dead_letter(self.producer, msg, WeightUpdate, self.name)
+            wu = await self._decode(msg, WeightUpdate)
             want = self.cfg.scheduler.weights_model or self.cfg.model.name
             if wu is None or wu.model != want:
                 return
             if self.registry.raise_policy_version(wu.version):
                 log.info("policy version %d (step %d)", wu.version, wu.step)
         else:
-            m = await decode_or_dead_letter(self.producer, msg, Metrics, self.name)
+            m = await self._decode(msg, Metrics)
             if m is not None:
                 self.stats.on_metrics(m)
                 await self.guard.on_metrics(m)

@@ -15,6 +15,7 @@ from aiokafka import AIOKafkaProducer
 
 from scheduler_service.config import SchedulerSettings
 from scheduler_service.guard import DriftGuard
+from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.registry import Registry
 from scheduler_service.sampler import Sampler
 from scheduler_service.stats import Stats
@@ -40,6 +41,9 @@ class SchedulerState:
         self.registry = registry
         self.kafka = kafka
         self.stats = Stats(config.scheduler.status_window_s, config.scheduler.recent_samples)
+        self.metrics = SchedulerMetrics()
+        """Prometheus families of this process (``GET /metrics``); the gauges read the registry when scraped."""
+        self.metrics.watch(registry, lambda: self.guard)
         self.producer: AIOKafkaProducer | None = None
         self.sampler: Sampler | None = None
         self._guard: DriftGuard | None = None
@@ -51,7 +55,7 @@ class SchedulerState:
         if self.sampler is not None:
             return self.sampler.guard
         if self._guard is None:
-            self._guard = DriftGuard(self.config, self.registry, None)
+            self._guard = DriftGuard(self.config, self.registry, None, metrics=self.metrics)
         return self._guard
 
     async def control(self, ctrl: Control) -> dict[str, Any]:
@@ -78,7 +82,7 @@ class SchedulerState:
         await ensure_topics(self.config.kafka, sorted(set(topics.ALL) | pools))
         self.producer = make_producer(self.config.kafka, client_id="scheduler")
         await self.producer.start()
-        self.sampler = Sampler(self.config, self.registry, self.producer, self.stats)
+        self.sampler = Sampler(self.config, self.registry, self.producer, self.stats, self.metrics)
         await self.sampler.start()
 
     async def stop(self, timeout_s: float = 10.0) -> None:

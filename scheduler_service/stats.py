@@ -39,8 +39,9 @@ class Stats:
             self._staleness.append(max(0, policy_version - ev.policy_version))
 
     def on_metrics(self, m: Metrics) -> bool:
-        """Keep a trainer Metrics record (deduped by step); True when it was new."""
-        if m.source != "trainer" or m.step is None or m.step in self.metrics:
+        """Keep a trainer's run-wide Metrics record (deduped by step; its per-domain records, ``domain``
+        set, are left out); True when it was new."""
+        if m.source != "trainer" or m.step is None or m.domain is not None or m.step in self.metrics:
             return False
         self.metrics[m.step] = {"step": m.step, "policy_version": m.policy_version, "values": m.values,
                                 "time": m.time}

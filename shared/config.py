@@ -93,6 +93,9 @@ class TelemetryConfig(BaseModel):
     ``local``; ``off`` = spans are created but not recorded."""
     span_store: str = "traces.sqlite"
     """The local span store's SQLite file; relative to ``run.dir`` unless absolute."""
+    span_store_max_spans: int = Field(500_000, ge=1_000, le=1_000_000_000)
+    """The local span store keeps at most this many spans, the newest (about 470 bytes each: 500,000 ≈ 235 MB;
+    a group is 3 to 9 spans)."""
 
 
 class WeightsConfig(BaseModel):

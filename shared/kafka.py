@@ -130,10 +130,12 @@ def install_stop_signals(stop: asyncio.Event) -> None:
 
 
 def prepare_service(name: str, config, stop: asyncio.Event | None):
-    """Common start of a Kafka service: logging to ``<run dir>/logs/<name>.log``, tracing, and a stop
-    event (SIGTERM/SIGINT set it when the caller passes none). Returns ``(stop, tracer)``."""
+    """Common start of a Kafka service: logging to ``<run dir>/logs/<name>.log``, tracing by
+    ``config.telemetry`` (:func:`shared.telemetry.setup_tracing`; the service calls
+    :func:`shared.telemetry.flush_tracing` on its way out), and a stop event (SIGTERM/SIGINT set it when
+    the caller passes none). Returns ``(stop, tracer)``."""
     setup_logging(name, config.run.log_level, config.run.path("logs"))
-    tracer = setup_tracing(name)
+    tracer = setup_tracing(name, config.telemetry, config.run)
     if stop is None:
         stop = asyncio.Event()
         install_stop_signals(stop)

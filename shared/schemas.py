@@ -7,6 +7,7 @@ flywheel.dlq as a :class:`DeadLetter` with the reason (see ``shared.kafka``).
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any, ClassVar, Literal, TypeVar
@@ -80,7 +81,7 @@ def require_utf8(data: Any) -> Any:
 class ChatMessage(BaseModel):
     """One chat turn."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     role: Literal["system", "user", "assistant", "tool"]
     content: str = Field(min_length=1, max_length=MAX_MESSAGE_CHARS)
 
@@ -88,7 +89,7 @@ class ChatMessage(BaseModel):
 class SamplingParams(BaseModel):
     """Sampling parameters of one rollout request."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     max_new_tokens: int = Field(24, ge=1, le=32768)
     temperature: float = Field(1.0, ge=0.0, le=10.0)
     """0 means greedy."""
@@ -99,10 +100,28 @@ class SamplingParams(BaseModel):
 # ---------------------------------------------------------------- records
 
 
-class Record(BaseModel):
-    """Base of every Kafka record: a schema name and version travel in each JSON object."""
+def _record_json_schema(schema: dict[str, Any], cls: type) -> None:
+    """Pydantic ``json_schema_extra`` hook of :class:`Record`: in a record's JSON Schema, ``schema`` and
+    ``schema_version`` are the record's own constants (the model fields default to the base's) and required,
+    as every encoded record carries them (``docs/schemas/``, ``shared.schema_export``)."""
+    props = schema.setdefault("properties", {})
+    props["schema"] = {"const": cls.SCHEMA, "default": cls.SCHEMA, "title": "Schema", "type": "string",
+                       "description": "The record's schema name."}
+    props["schema_version"] = {"const": cls.VERSION, "default": cls.VERSION, "title": "Schema Version",
+                               "type": "integer", "description": "The record's schema version (decoders accept "
+                               "only their own)."}
+    rest = [r for r in schema.get("required", []) if r not in ("schema", "schema_version")]
+    schema["required"] = ["schema", "schema_version", *rest]
 
-    model_config = ConfigDict(extra="forbid")
+
+class Record(BaseModel):
+    """Base of every Kafka record: a schema name and version travel in each JSON object.
+
+    Unknown fields are rejected (``extra="forbid"``): a record with a field this version does not know fails
+    :func:`decode` and goes to the DLQ (``docs/schemas/README.md``, "Compatibility").
+    """
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, json_schema_extra=_record_json_schema)
     SCHEMA: ClassVar[str] = "record"
     VERSION: ClassVar[int] = 1
     schema_: str = Field("record", alias="schema")
@@ -132,7 +151,7 @@ class Record(BaseModel):
 class TaskBody(BaseModel):
     """The fields of a task, shared by the Task record and the scheduler's REST body (one validation)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     domain: str = Field(min_length=1, max_length=256)
     """Domain name (e.g. ``basic_arithmetic``, ``humaneval``)."""
     prompt: list[ChatMessage] = Field(min_length=1, max_length=256)
@@ -214,7 +233,7 @@ class RolloutRequest(Record):
 class VersionSpan(BaseModel):
     """Completion tokens [start, end) were produced by policy ``version``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     version: int = Field(ge=0)
     start: int = Field(ge=0)
     end: int = Field(ge=0)
@@ -279,7 +298,7 @@ class Trajectory(Record):
 class Reward(BaseModel):
     """Verifier output for one trajectory."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     total: float
     components: dict[str, float] = Field(default_factory=dict)
     details: dict[str, Any] = Field(default_factory=dict)
@@ -338,12 +357,24 @@ class RewardEvent(Record):
     Monte Carlo estimate of the sampling policy's per-token entropy (``None``: no generated token)."""
     hacks: list[str] = Field(default_factory=list, max_length=32)
     """Reward-hacking detectors that fired on this sample (``verifier_service.hacks``)."""
+    event_time: float | None = Field(None, ge=0, allow_inf_nan=False)
+    """When the verifier finished scoring the sample (Unix seconds; ``None``: a record written before the
+    field existed). Event time for analytics: a redelivered trajectory is scored again with a later one."""
+    verifier_kind: str | None = Field(None, max_length=64)
+    """The task's verifier spec ``kind`` (``regex``, ``math``, ``unit_tests``...; ``None``: not known)."""
+    components: dict[str, float] = Field(default_factory=dict, max_length=64)
+    """Every verification layer computed, each in [0, 1] (``Reward.components``: ``correctness``, the
+    rules such as ``format`` or ``truncation``, ``judge``). Before gates and weights; with an
+    infra_error only the layers that completed."""
+    gates: list[str] = Field(default_factory=list, max_length=32)
+    """The recipe's gates that fired (a gating component below 1, which set the reward to 0:
+    ``Reward.details["gated_by"]``), in the recipe's order."""
 
 
 class TensorInfo(BaseModel):
     """One entry of a weight manifest."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     name: str
     shape: list[int]
     dtype: str
@@ -371,15 +402,34 @@ class WeightUpdate(Record):
 class Metrics(Record):
     """flywheel.metrics, key source. Producer: any service. Consumers: analytics, scheduler.
 
-    ``values`` uses names prefixed by area (``loss/``, ``rollout/``, ``train/``...).
+    ``values`` uses names prefixed by area (``loss/``, ``rollout/``, ``train/``...). The families:
+
+    - ``source: trainer``, ``step`` set: per optimizer step, one run-wide record (``domain`` None: ``loss/*``,
+      ``train/*``, ``time/*``) and one per domain trained in the step (``train/reward_mean``,
+      ``train/pass_rate``, ``train/samples``, ``train/completion_tokens_mean``, ``train/truncated_frac``...).
+    - ``source: scheduler`` with ``eval/*`` values: per finished eval round, one run-wide record and one per
+      domain (``eval/accuracy``, ``eval/correct``, ``eval/n``, ``eval/round``...); ``policy_version`` is the
+      newest version that answered in the round.
+    - ``source: scheduler`` with ``scheduler/*`` values: periodic gauges and counters of the sampler.
+    - ``source: rollout`` / ``verifier``: periodic counters of those services.
     """
 
     SCHEMA: ClassVar[str] = "flywheel.Metrics"
     source: str
     step: int | None = None
     policy_version: int | None = None
+    domain: str | None = Field(None, min_length=1, max_length=256)
+    """The domain the values are about (``None``: run-wide). The trainer sends one run-wide record per step
+    and one per domain trained in it; the scheduler one run-wide and one per domain per finished eval round."""
     values: dict[str, float]
+    """Finite values only: a NaN or infinite value is left out when the record is built (JSON has no NaN;
+    orjson would write ``null`` and the whole record would then fail to decode and go to the DLQ)."""
     time: float = Field(default_factory=time.time)
+
+    @field_validator("values", mode="after")
+    @classmethod
+    def _finite_only(cls, v: dict[str, float]) -> dict[str, float]:
+        return v if all(math.isfinite(x) for x in v.values()) else {k: x for k, x in v.items() if math.isfinite(x)}
 
 
 DropReason = Literal["stale", "failed", "superseded_unsolved", "domain_paused", "circuit_open"]

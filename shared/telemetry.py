@@ -1,9 +1,12 @@
 """Logging and OpenTelemetry tracing, with the trace context carried in Kafka record headers.
 
-Spans are created with the OpenTelemetry SDK; an exporter is attached only when
-``OTEL_EXPORTER_OTLP_ENDPOINT`` is set and the OTLP exporter package is installed (cluster
-profile). The W3C ``traceparent`` header travels in every Kafka record, so a trace follows a
-group from the scheduler through rollout and verification to the trainer.
+Spans are created with the OpenTelemetry SDK and exported by ``telemetry.traces``
+(:class:`shared.config.TelemetryConfig`): ``local`` writes them to the SQLite span store
+(:mod:`shared.spans`, ``<run dir>/traces.sqlite``), ``otlp`` sends them to an OpenTelemetry collector at
+``$OTEL_EXPORTER_OTLP_ENDPOINT`` (compose: on to Jaeger), ``auto`` is ``otlp`` when that variable is set
+and ``local`` otherwise, ``off`` records nothing (spans and their context still flow). The W3C
+``traceparent`` header travels in every Kafka record and in the HTTP calls to the sandbox, so one trace
+follows a group from the scheduler through rollout, verification (and the sandbox) to the trainer.
 """
 
 from __future__ import annotations
@@ -18,26 +21,87 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-_configured = False
+from shared.config import RunConfig, TelemetryConfig
+
+_provider: TracerProvider | None = None
+
+SCHEDULE_DELAY_MS = 1000
+"""How often the batch processor writes the local span store (ms; ``$OTEL_BSP_SCHEDULE_DELAY`` overrides):
+the dashboard's timeline lags by at most this."""
 
 
-def setup_tracing(service: str) -> trace.Tracer:
-    """Install a tracer provider for ``service`` (once per process) and return its tracer."""
-    global _configured
-    if not _configured:
-        provider = TracerProvider(resource=Resource.create({"service.name": service}))
-        if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-            try:  # optional: only in the cluster image
-                from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-                from opentelemetry.sdk.trace.export import BatchSpanProcessor
+def build_tracer_provider(service: str, telemetry_cfg: TelemetryConfig | None = None,
+                          run_cfg: RunConfig | None = None) -> TracerProvider:
+    """A tracer provider for ``service`` with the exporter that ``telemetry_cfg.traces`` picks (not installed).
 
-                provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-            except ImportError:
-                logging.getLogger(service).warning("OTLP exporter not installed; spans are not exported")
-        trace.set_tracer_provider(provider)
-        _configured = True
+    ``local`` (and ``auto`` without ``$OTEL_EXPORTER_OTLP_ENDPOINT``) batches spans into the span store
+    ``run_cfg.path(telemetry_cfg.span_store)`` (relative to the working directory when ``run_cfg`` is
+    None); ``otlp`` batches them to the OTLP/HTTP exporter; ``off`` attaches no exporter. Without
+    ``telemetry_cfg``: ``otlp`` when the variable is set, else no exporter (a bare process such as a test's
+    app has no run directory to write to). A missing OTLP exporter package is logged, not raised.
+    """
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    endpoint = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    mode = telemetry_cfg.traces if telemetry_cfg is not None else ("otlp" if endpoint else "off")
+    if mode == "auto":
+        mode = "otlp" if endpoint else "local"
+    if mode == "local":
+        from shared.spans import SqliteSpanExporter
+
+        tcfg = telemetry_cfg if telemetry_cfg is not None else TelemetryConfig()
+        sub = tcfg.span_store
+        path = run_cfg.path(sub) if run_cfg is not None else Path(os.path.expanduser(sub)).resolve()
+        delay = float(os.environ.get("OTEL_BSP_SCHEDULE_DELAY", SCHEDULE_DELAY_MS))
+        exporter = SqliteSpanExporter(path, max_spans=tcfg.span_store_max_spans)
+        provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=delay))
+    elif mode == "otlp":
+        try:  # the OTLP/HTTP exporter is a dependency, but keep a process without it running
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        except ImportError:
+            logging.getLogger(service).warning("OTLP exporter not installed; spans are not exported")
+        else:
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    return provider
+
+
+def setup_tracing(service: str, telemetry_cfg: TelemetryConfig | None = None,
+                  run_cfg: RunConfig | None = None) -> trace.Tracer:
+    """Install the tracer provider of :func:`build_tracer_provider` (once per process: later calls keep
+    the first provider) and return ``service``'s tracer. Services pass their ``settings.telemetry`` and
+    ``settings.run``; call :func:`flush_tracing` on the way out."""
+    global _provider
+    if _provider is None:
+        _provider = build_tracer_provider(service, telemetry_cfg, run_cfg)
+        trace.set_tracer_provider(_provider)
     return trace.get_tracer(service)
+
+
+def flush_tracing(timeout_s: float = 5.0) -> bool:
+    """Export the spans still queued by this process's provider (at most ``timeout_s`` seconds; blocks the
+    caller). Returns False when nothing is installed or the flush timed out. The provider stays usable
+    (the SDK shuts it down at interpreter exit, flushing again)."""
+    if _provider is None:
+        return False
+    return _provider.force_flush(int(timeout_s * 1000))
+
+
+def untraced_request(scope: dict) -> bool:
+    """FastAPI's telemetry ``exclude`` hook (:data:`HTTP_TELEMETRY`): True (no span) for a read (``GET``,
+    ``HEAD``) that continues no trace, i.e. has no ``traceparent`` header: health checks, Prometheus
+    scrapes, status and dashboard polls, which would otherwise each add a one-span trace to the store."""
+    if scope.get("type") != "http" or scope.get("method") not in ("GET", "HEAD"):
+        return False
+    return not any(k == b"traceparent" for k, _ in scope.get("headers") or ())
+
+
+HTTP_TELEMETRY = {"operation_spans": False, "exclude": untraced_request}
+"""``FastAPI(telemetry=...)`` of the scheduler and the sandbox. FastAPI's built-in telemetry (0.165, installed
+here) traces every request once a tracer provider is installed: keep the server span (``POST /v1/execute``, a child of the
+caller's ``traceparent``), skip its per-operation spans (dependencies, endpoint, serialization) and
+untraced reads (:func:`untraced_request`). FastAPI versions without it keep the argument in
+``app.extra`` and ignore it."""
 
 
 def inject_headers() -> list[tuple[str, bytes]]:

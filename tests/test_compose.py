@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -139,3 +141,14 @@ def test_the_image_installs_the_cpu_build_of_torch():
     torch = next(i for i, ln in enumerate(lines) if "torch==" in ln and "pip install" in ln)
     assert "/whl/cpu" in lines[torch]
     assert torch < next(i for i, ln in enumerate(lines) if "pip install ." in ln)
+
+
+def test_the_grafana_dashboard_is_what_its_script_writes():
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/grafana_dashboard.py"), "--check"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    board = json.loads((ROOT / "examples/compose/grafana/dashboards/flywheel.json").read_text())
+    assert board["uid"] == "flywheel" and len(board["panels"]) >= 10
+    assert all(t["datasource"]["uid"] == "flywheel-prometheus" for p in board["panels"] for t in p["targets"])
+    prov = yaml.safe_load((ROOT / "examples/compose/grafana/provisioning/datasources/prometheus.yaml").read_text())
+    assert prov["datasources"][0]["uid"] == "flywheel-prometheus"

@@ -32,11 +32,16 @@ from aiokafka import TopicPartition
 
 from shared import kafka, topics
 from shared.checkpoint import CheckpointStore, load_weights, snapshot_weights
+from shared.metrics import serve_metrics
 from shared.model import load_model, load_tokenizer, resolve_model_dir
 from shared.schemas import GroupDropped, Metrics, ScoredTrajectory
+from shared.telemetry import flush_tracing
 from trainer_service.config import TrainerSettings
 from trainer_service.control import ControlState, poll_control, read_control_to_end
-from trainer_service.groups import Group, GroupBuffer
+from trainer_service.domain_metrics import domain_metrics
+from trainer_service.groups import Drop, Group, GroupBuffer
+from trainer_service.metrics import TrainerMetrics
+from trainer_service.tracing import GroupTraces
 from trainer_service.trainer import PolicyTrainer
 
 log = logging.getLogger("trainer")
@@ -80,7 +85,8 @@ def build_trainer(config: TrainerSettings) -> tuple[PolicyTrainer, CheckpointSto
 
 
 async def run(config: TrainerSettings, stop: asyncio.Event | None = None) -> None:
-    """Run the trainer until ``stop`` is set (SIGTERM/SIGINT set it when ``stop`` is None).
+    """Run the trainer until ``stop`` is set (SIGTERM/SIGINT set it when ``stop`` is None); Prometheus
+    metrics (:mod:`trainer_service.metrics`) are served on ``telemetry.metrics_port`` when it is set.
 
     Raises:
         RuntimeError: the checkpoint store is inconsistent (:func:`build_trainer`).
@@ -94,13 +100,16 @@ async def run(config: TrainerSettings, stop: asyncio.Event | None = None) -> Non
     consumer = kafka.make_consumer(config.kafka, topics.SCORED, group_id="trainer", client_id="trainer")
     # no group, from the earliest offset: every start folds the whole topic
     control_consumer = kafka.make_consumer(config.kafka, topics.CONTROL, group_id=None, client_id="trainer-control")
-    publisher = Publisher(config, store, buffer, producer, await _broadcaster(config))
+    prom = TrainerMetrics()
+    prom.watch_version(lambda: trainer.version)
+    publisher = Publisher(config, store, buffer, producer, await _broadcaster(config), prom)
     await producer.start()
     latest = store.newest_published()
     if latest is not None:  # re-announce: the broker may have lost the record (or it was never sent)
         await (await kafka.send(producer, topics.WEIGHTS, latest, latest.model))
     await consumer.start()
     control = ControlState()
+    metrics_server = serve_metrics(config.telemetry, prom.registry)
     try:
         await control_consumer.start()
         await read_control_to_end(control_consumer, producer, control)
@@ -112,6 +121,9 @@ async def run(config: TrainerSettings, stop: asyncio.Event | None = None) -> Non
         raise
     finally:
         await asyncio.wait_for(_close(consumer, control_consumer, producer), timeout=15)
+        flush_tracing()
+        if metrics_server is not None:
+            metrics_server.close()
         log.info("trainer stopped at policy version %d", trainer.version)
 
 
@@ -148,11 +160,13 @@ class TrainLoop:
                  producer, publisher: "Publisher", control_consumer=None, control: ControlState | None = None) -> None:
         self.config, self.trainer, self.buffer = config, trainer, buffer
         self.consumer, self.producer, self.publisher = consumer, producer, publisher
+        self.metrics = publisher.metrics  # Prometheus: drops and dead letters here, steps in the publisher
         self.control_consumer = control_consumer
         self.control = control if control is not None else ControlState()
         self.publishing: asyncio.Task | None = None
         self.last_step_end = self.last_report = time.perf_counter()
         self.pause_logged = False  # the current pause has been reported
+        self.traces = GroupTraces()  # each group's trace ends in a train_group span (trained or dropped)
 
     async def turn(self) -> None:
         """Intake (≤ 200 ms long-poll), control (no wait), drops, at most one step (none while training
@@ -170,7 +184,9 @@ class TrainLoop:
             buffer.drop_stale(self.trainer.version)
             buffer.drop_blocked(control.blocked, control.drop_groups)
         if buffer.has_drops:
-            await _announce_drops(self.producer, buffer, self.trainer.version)
+            announced = await _announce_drops(self.producer, buffer, self.trainer.version)
+            self.traces.dropped(announced, self.trainer.step, self.trainer.version)
+            self.metrics.dropped(announced)
         if not control.training_paused:
             self.pause_logged = False
         if training:
@@ -195,6 +211,9 @@ class TrainLoop:
         for tp, msgs in batch.items():
             for msg in msgs:
                 scored = await kafka.decode_or_dead_letter(self.producer, msg, ScoredTrajectory, "trainer")
+                if scored is None:
+                    self.metrics.dlq.labels(tp.topic).inc()
+                self.traces.remember(scored, msg.headers, self.buffer)
                 self.buffer.add(scored, (tp.topic, tp.partition), msg.offset)
 
     async def _commit(self) -> None:
@@ -226,7 +245,9 @@ class TrainLoop:
         # with oversampling (budget.oversample > 1) the scheduler issues more groups than a step takes:
         # pick those whose rewards differ first; the rest wait for the next step or go stale (counted)
         groups = buffer.take(budget.batch_groups, prefer_informative=budget.oversample > 1)
+        start_ns = time.time_ns()
         metrics = await asyncio.to_thread(trainer.train_step, groups)
+        self.traces.trained(groups, trainer.step, trainer.version, start_ns, time.time_ns())
         t0 = time.perf_counter()
         done = buffer.done_groups | buffer.in_flight  # includes earlier steps still being saved
         weights, state = await asyncio.to_thread(lambda: (snapshot_weights(trainer.model), trainer.state_dict(done)))
@@ -237,15 +258,19 @@ class TrainLoop:
             metrics[f"train/{k}_total"] = float(buffer.counters[k])
         metrics["train/trained_groups_total"] = float(buffer.counters["trained_groups"] + len(groups))
         snap = StepSnapshot(groups, weights, state, metrics, trainer.version, trainer.step)
+        self.traces.step(groups, trainer.step, trainer.version, start_ns, time.time_ns(),
+                         {k: v for k, v in metrics.items() if k.startswith("time/")})
         self.publishing = asyncio.create_task(self.publisher.publish(snap, self.publishing))
         self.last_step_end = time.perf_counter()
 
 
-async def _announce_drops(producer, buffer: GroupBuffer, version: int) -> None:
-    """Send a :class:`GroupDropped` for each group dropped since the last call and wait for the acks.
+async def _announce_drops(producer, buffer: GroupBuffer, version: int) -> list[Drop]:
+    """Send a :class:`GroupDropped` for each group dropped since the last call and wait for the acks;
+    returns the drops announced.
 
     Logged as it happens (the step whose metrics would count it may never come). On a send failure
-    the drops go back to the buffer and are retried on the next pass; until then nothing is committed.
+    the drops go back to the buffer and are retried on the next pass (returns ``[]``); until then nothing
+    is committed.
     """
     drops = buffer.take_drops()
     try:
@@ -262,10 +287,11 @@ async def _announce_drops(producer, buffer: GroupBuffer, version: int) -> None:
         buffer.return_drops(drops)
         log.warning("announcing %d dropped groups failed (%r); retrying", len(drops), e)
         await asyncio.sleep(0.5)
-        return
+        return []
     for d in drops:
         log.info("dropped group %s (%s; behaviour version %s, policy version %d, %d samples): slot returned to the "
                  "scheduler", d.group_id, d.reason, d.behaviour_version, version, d.samples)
+    return drops
 
 
 @dataclass
@@ -292,12 +318,15 @@ class Publisher:
 
     Per version: write the weights, broadcast them to the live receivers (``weights.transport:
     distributed``; the file stays the fallback), announce the WeightUpdate on flywheel.weights, write
-    the trainer state, release the groups' offsets, send the metrics on flywheel.metrics.
+    the trainer state, release the groups' offsets, send the metrics on flywheel.metrics (the run-wide record,
+    then one per domain trained: :func:`trainer_service.domain_metrics.domain_metrics`).
     """
 
     def __init__(self, config: TrainerSettings, store: CheckpointStore, buffer: GroupBuffer, producer,
-                 broadcaster=None) -> None:
+                 broadcaster=None, metrics: TrainerMetrics | None = None) -> None:
         self.config, self.store, self.buffer, self.producer, self.broadcaster = config, store, buffer, producer, broadcaster
+        self.metrics = metrics if metrics is not None else TrainerMetrics()
+        """Prometheus families, fed once per published step (and by :class:`TrainLoop`)."""
 
     async def publish(self, snap: StepSnapshot, previous: asyncio.Task | None) -> None:
         """Publish ``snap`` after ``previous`` (the previous version's publication) has finished.
@@ -327,8 +356,14 @@ class Publisher:
         await asyncio.to_thread(store.save_trainer_state, update, snap.state)
         metrics["time/checkpoint_s"] = time.perf_counter() - t0
         self.buffer.mark_trained(snap.groups)  # their offsets may be committed only now
+        self.metrics.published(snap.groups, snap.version, metrics)
         rec = Metrics(source="trainer", step=snap.step, policy_version=snap.version, values=metrics)
         await (await kafka.send(self.producer, topics.METRICS, rec, "trainer"))
+        # then one record per domain trained (same key: they follow the run-wide record in its partition)
+        per_domain = [Metrics(source="trainer", step=snap.step, policy_version=snap.version, domain=d, values=v)
+                      for d, v in domain_metrics(snap.groups, snap.version).items()]
+        await asyncio.gather(*[await kafka.send(self.producer, topics.METRICS, m, "trainer")
+                               for m in per_domain])
         log.info("step %d -> policy version %d: reward %.3f loss %.4f (%.1f s train, %.1f s to announce, %.1f s to "
                  "checkpoint, %.1f s waited)", snap.step, snap.version, metrics["train/reward_mean"],
                  metrics["loss/pg"], metrics["time/train_step_s"], metrics["time/publish_s"],

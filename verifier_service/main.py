@@ -27,9 +27,11 @@ from shared.kafka import (
     prepare_service,
     send,
 )
+from shared.metrics import serve_metrics
 from shared.schemas import Metrics, Reward, RewardEvent, ScoredTrajectory, Trajectory
-from shared.telemetry import extract_context
+from shared.telemetry import extract_context, flush_tracing
 from verifier_service.config import VerifierConfig, VerifierSettings
+from verifier_service.metrics import VerifierMetrics
 from verifier_service.scorers import Scorer
 
 SERVICE = "verifier"
@@ -87,8 +89,14 @@ def sample_cost(traj: Trajectory, verifier_cost: dict[str, float] | None = None)
     return cost
 
 
-def reward_event(traj: Trajectory, reward: Reward, verifier_cost: dict[str, float] | None = None) -> RewardEvent:
-    """The light flywheel.rewards summary of one scored trajectory, with its :func:`sample_cost`."""
+def reward_event(traj: Trajectory, reward: Reward, verifier_cost: dict[str, float] | None = None,
+                 scored_at: float | None = None) -> RewardEvent:
+    """The light flywheel.rewards summary of one scored trajectory, with its :func:`sample_cost`.
+
+    For analysts it carries ``event_time`` (``scored_at``, Unix seconds; now when not given), the spec's
+    ``verifier_kind``, the reward's ``components`` (every layer computed, before gates and weights), the
+    ``gates`` that fired (``details.gated_by``) and the ``hacks`` flagged (``details.hacks``).
+    """
     t = traj.task
     return RewardEvent(
         task_id=t.task_id, group_id=traj.group_id, trajectory_id=traj.trajectory_id,
@@ -101,6 +109,9 @@ def reward_event(traj: Trajectory, reward: Reward, verifier_cost: dict[str, floa
         policy_version=traj.behaviour_version, cost=sample_cost(traj, verifier_cost),
         completion_hash=completion_hash(traj.completion_text), surprisal=surprisal(traj),
         hacks=sorted(reward.details.get("hacks", {}))[:32],
+        event_time=time.time() if scored_at is None else scored_at, verifier_kind=t.verifier.kind,
+        components={str(k): float(v) for k, v in list(reward.components.items())[:64] if math.isfinite(v)},
+        gates=[str(g) for g in reward.details.get("gated_by", [])][:32],
     )
 
 
@@ -145,26 +156,29 @@ class _Counters:
 
 async def _handle(
     msg: ConsumerRecord, producer: Any, scorer: Scorer, cfg: VerifierConfig, tracer: trace.Tracer,
-    counters: _Counters,
+    counters: _Counters, prom: VerifierMetrics | None = None,
 ) -> None:
     traj = await decode_or_dead_letter(producer, msg, Trajectory, SERVICE)
     if traj is None:
         counters.add("dlq")
+        if prom is not None:
+            prom.dlq.labels(msg.topic).inc()
         return
     with tracer.start_as_current_span(
         "verify", context=extract_context(msg.headers),
-        attributes={"trajectory_id": traj.trajectory_id, "group_id": traj.group_id,
-                    "verifier.kind": traj.task.verifier.kind},
+        attributes={"trajectory_id": traj.trajectory_id, "group_id": traj.group_id, "domain": traj.task.domain,
+                    "sample_index": traj.sample_index, "verifier.kind": traj.task.verifier.kind},
     ) as span:
         t0 = time.perf_counter()
         cost: dict[str, float] = {}
         reward = await score_with_retries(scorer, cfg, traj, cost)
-        dt = time.perf_counter() - t0
+        dt, scored_at = time.perf_counter() - t0, time.time()
         span.set_attribute("reward", reward.total)
         span.set_attribute("infra_error", reward.infra_error)
+        span.set_attribute("passed", reward.passed)
         futs = [
             await send(producer, topics.SCORED, ScoredTrajectory(trajectory=traj, reward=reward), traj.group_id),
-            await send(producer, topics.REWARDS, reward_event(traj, reward, cost), traj.task.task_id),
+            await send(producer, topics.REWARDS, reward_event(traj, reward, cost, scored_at), traj.task.task_id),
         ]
         await asyncio.gather(*futs)
     counters.add("scored")
@@ -177,6 +191,8 @@ async def _handle(
         counters.add(f"hack_{name}")  # reward-hacking detectors (verifier_service/hacks.py)
     for name in reward.details.get("gated_by", []):
         counters.add(f"gated_{name}")
+    if prom is not None:
+        prom.scored(traj, reward, cost)
     log.info("scored %s kind=%s reward=%.1f infra=%s in %.3f s", traj.trajectory_id, traj.task.verifier.kind,
              reward.total, reward.infra_error, dt)
 
@@ -215,7 +231,8 @@ async def run(config: VerifierSettings, stop: asyncio.Event | None = None) -> No
 
     Consumes flywheel.trajectories in group ``config.verifier.consumer_group``, scores every
     record, produces ScoredTrajectory (key group_id) and RewardEvent (key task_id), then commits.
-    Malformed records go to flywheel.dlq. Publishes Metrics every ``metrics_interval_s`` seconds.
+    Malformed records go to flywheel.dlq. Publishes Metrics every ``metrics_interval_s`` seconds; serves
+    Prometheus metrics (:mod:`verifier_service.metrics`) on ``telemetry.metrics_port`` when it is set.
 
     Raises:
         asyncio.CancelledError: when the task is cancelled (clients are closed first).
@@ -228,6 +245,8 @@ async def run(config: VerifierSettings, stop: asyncio.Event | None = None) -> No
     producer = make_producer(config.kafka, client_id=SERVICE)
     scorer = Scorer(vcfg)
     counters = _Counters()
+    prom = VerifierMetrics()
+    metrics_server = serve_metrics(config.telemetry, prom.registry)
     started = False
     try:
         await producer.start()
@@ -242,7 +261,7 @@ async def run(config: VerifierSettings, stop: asyncio.Event | None = None) -> No
             batch = await consumer.getmany(timeout_ms=200, max_records=vcfg.max_batch)
             if batch:
                 msgs = [m for part in batch.values() for m in part]
-                await asyncio.gather(*(_handle(m, producer, scorer, vcfg, tracer, counters) for m in msgs))
+                await asyncio.gather(*(_handle(m, producer, scorer, vcfg, tracer, counters, prom) for m in msgs))
                 await commit_batch(consumer, batch)
                 counters.add("batches")
             if time.monotonic() >= next_metrics:
@@ -258,6 +277,9 @@ async def run(config: VerifierSettings, stop: asyncio.Event | None = None) -> No
         raise
     finally:
         await scorer.close()
+        flush_tracing()
+        if metrics_server is not None:
+            metrics_server.close()
         for client in (consumer, producer):
             try:
                 await client.stop()

@@ -104,6 +104,18 @@ def test_up_submit_status_supervise_down(tiny, tmp_path):
         assert t["domain"] == "toy"
         st = _flywheel("status", "--run-dir", str(runs / "system"), cwd=tmp_path)
         assert "scheduler" in st.stdout and "running" in st.stdout and "policy_version" in st.stdout
+        assert f"{state['scheduler_url']}/dashboard" in st.stdout
+        # the compose job's command against this system: submits the config's toy tasks, trains, evaluates
+        job_cfg = tmp_path / "job.yaml"
+        job_cfg.write_text(f"model: {{name: '{tiny}'}}\nrun: {{dir: '{runs}'}}\nbudget: {{max_steps: 2}}\n"
+                           "tasks: {kind: toy_prefix, train_size: 8, eval_size: 4, samples_per_task: 2}\n")
+        report = tmp_path / "job.json"
+        job = _flywheel("job", str(job_cfg), "--url", state["scheduler_url"], "--report", str(report),
+                        "--timeout", "300", "--wait", "30", cwd=tmp_path)
+        assert "held-out greedy accuracy" in job.stdout, job.stdout
+        rep = json.loads(report.read_text())
+        assert rep["steps"] >= 2 and rep["eval"]["after"]["n"] == 4, rep["eval"]
+        assert httpx.get(f"{state['scheduler_url']}/v1/tasks/toy-train-0", timeout=5).json()["domain"] == "toy_prefix"
         # supervision: a killed service is reported and restarted
         victim = state["services"]["verifier"]
         os.kill(victim, signal.SIGKILL)

@@ -8,7 +8,6 @@ and the trajectories trained on.
 from __future__ import annotations
 
 import json
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path

@@ -5,11 +5,12 @@ import asyncio
 import pytest
 import torch
 
-from flywheel.broker import EmbeddedBroker
+from flywheel.broker import EmbeddedBroker, free_port
 from rollout_service.config import RolloutSettings
 from rollout_service.main import run
 from shared import kafka, topics
 from shared.checkpoint import CheckpointStore, snapshot_weights
+from shared.metrics import scrape, total
 from shared.model import build_tiny_model, load_model
 from shared.schemas import DeadLetter, RolloutRequest, SamplingParams, Task, Trajectory
 from tests.support.taught import teach_tiny_model
@@ -29,6 +30,7 @@ async def test_requests_become_trajectories_and_new_weights_are_used(tmp_path, r
     model_dir = build_tiny_model(tmp_path / "tiny")
     with EmbeddedBroker.start() as b:
         cfg = _settings(b, model_dir, tmp_path, max_batch_samples=8)
+        cfg.telemetry.metrics_port = free_port()
         await kafka.ensure_topics(cfg.kafka)
         stop = asyncio.Event()
         service = asyncio.create_task(run(cfg, stop))
@@ -68,6 +70,19 @@ async def test_requests_become_trajectories_and_new_weights_are_used(tmp_path, r
             trajs = [t for t in await read_topic(cfg.kafka, topics.TRAJECTORIES, Trajectory, 7) if t.group_id == "g2"]
             assert [t.finish_reason for t in trajs] == ["error", "error"] and "context" in trajs[0].error
             assert service.done() is False
+
+            # the Prometheus families saw the same run (scraped from the service's metrics port)
+            m = await asyncio.to_thread(scrape, f"http://127.0.0.1:{cfg.telemetry.metrics_port}/metrics")
+            toy = {lab["finish_reason"]: v for lab, v in m["flywheel_rollout_samples_total"] if lab["domain"] == "toy"}
+            assert toy["error"] == 2 and sum(toy.values()) == 7
+            assert total(m, "flywheel_rollout_generated_tokens_total", lambda lab: lab["domain"] == "toy") > 0
+            assert total(m, "flywheel_rollout_dlq_records_total") == 1
+            drops = {lab["reason"]: v for lab, v in m["flywheel_rollout_requests_dropped_total"]}
+            assert drops == {"malformed": 1.0, "context_overflow": 1.0}
+            assert m["flywheel_rollout_policy_version"] == [({}, 1.0)]
+            assert total(m, "flywheel_rollout_weight_load_seconds_count") == 1
+            assert total(m, "flywheel_rollout_generate_seconds_count") >= 2
+            assert total(m, "flywheel_rollout_batch_seconds_count") >= 3
         finally:
             await p.stop()
             stop.set()

@@ -95,3 +95,34 @@ async def test_test_feedback_runs_the_answer_and_the_model_revises_until_it_pass
     assert roles[:3] == ["assistant", "tool", "assistant"] and r.turns[0]["text"] == wrong
     assert "double: failed" in r.turns[1]["text"] and r.turns[1]["tool_calls"][0]["name"] == "run_tests"
     assert r.tool_rounds == len(roles) // 2 >= 1  # observed, then revised (the taught model repeats itself)
+
+
+async def test_a_tool_call_carries_the_trace_context_to_the_sandbox(sandbox_url, tmp_path_factory):
+    """The sandbox's span of a tool call is a child of the caller's span (``traceparent`` on the request),
+    in the span store of the sandbox's run directory."""
+    import asyncio
+    import time
+
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from shared.spans import SpanStore
+
+    task = Task(task_id="t", domain="tools", prompt=[{"role": "user", "content": "x"}],
+                verifier={"kind": "regex", "pattern": "."}, tools=["run_python"], max_turns=2)
+    runner = ToolRunner(sandbox_url)
+    tracer = TracerProvider(shutdown_on_exit=False).get_tracer("test")
+    try:
+        with tracer.start_as_current_span("tool_loop") as span:
+            assert "exit code 0" in await runner.run("run_python", {"code": "print(1)"}, task, None)
+    finally:
+        await runner.close()
+    ctx = span.get_span_context()
+    deadline = time.monotonic() + 15  # the sandbox writes its spans (and creates the store) about once a second
+    while True:
+        stores = [SpanStore(p) for p in tmp_path_factory.getbasetemp().glob("sandbox*/traces.sqlite")]
+        spans = [s for store in stores for s in store.trace(f"{ctx.trace_id:032x}")]
+        if spans or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    assert {s["name"] for s in spans} >= {"sandbox.execute"}
+    assert all(s["service"] == "sandbox" and s["parent_id"] == f"{ctx.span_id:016x}" for s in spans)

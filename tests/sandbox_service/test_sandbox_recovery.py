@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from sandbox_service.api import create_app
 from sandbox_service.config import SandboxConfig
+from shared.metrics import CONTENT_TYPE_PLAIN, parse
 
 SLOW = "import time\ntime.sleep(0.6)\nprint('done')"
 
@@ -154,10 +155,20 @@ def test_metrics_are_prometheus_text():
     with TestClient(create_app(SandboxConfig(max_concurrency=1))) as c:
         c.post("/v1/execute", json={"code": "print(1)"})
         c.post("/v1/execute", json={"code": "raise SystemExit(3)"})
-        text = c.get("/metrics").text
-        assert 'flywheel_sandbox_runs_total{status="ok"} 1' in text
-        assert 'flywheel_sandbox_runs_total{status="runtime_error"} 1' in text
-        assert "flywheel_sandbox_execution_seconds_count 2" in text
+        r = c.get("/metrics")
+        assert r.headers["content-type"] == CONTENT_TYPE_PLAIN
+        m = parse(r.text)
+        runs = {lab["status"]: v for lab, v in m["flywheel_sandbox_runs_total"]}
+        assert runs["ok"] == 1 and runs["runtime_error"] == 1 and runs["infra_error"] == 0
+        assert m["flywheel_sandbox_execution_seconds_count"] == [({"language": "python"}, 2.0)]
+        assert 0 < m["flywheel_sandbox_execution_seconds_sum"][0][1] < 60
+        assert m["flywheel_sandbox_attempts_total"] == [({}, 2.0)]
+        assert m["flywheel_sandbox_environment_failures_total"] == [({}, 0.0)]
+        assert m["flywheel_sandbox_workers_started_total"][0][1] >= 1
+        assert m["flywheel_sandbox_breaker_open"] == [({}, 0.0)]
+        assert m["flywheel_sandbox_busy_slots"] == [({}, 0.0)] and m["flywheel_sandbox_idle_slots"] == [({}, 1.0)]
+        assert m["flywheel_sandbox_workers_alive"] == [({}, 1.0)]
+        assert m["flywheel_sandbox_workers_configured"] == [({}, 1.0)]
 
 
 async def test_health_check_replaces_a_dead_idle_worker():

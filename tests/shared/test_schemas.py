@@ -76,3 +76,12 @@ def test_group_dropped_round_trip_and_reason_is_checked():
     bad["reason"] = "bored"
     with pytest.raises(DecodeError, match="reason"):
         decode(orjson.dumps(bad), GroupDropped)
+
+
+def test_a_metrics_record_leaves_out_non_finite_values_so_it_still_decodes():
+    from shared.schemas import Metrics, decode
+
+    rec = Metrics(source="trainer", step=3, values={"loss/total": 0.5, "loss/kl": float("nan"),
+                                                    "train/grad_norm": float("inf")})
+    assert rec.values == {"loss/total": 0.5}
+    assert decode(rec.encode(), Metrics).values == {"loss/total": 0.5}

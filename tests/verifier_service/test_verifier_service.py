@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
+from flywheel.broker import free_port
 from flywheel.config import FlywheelConfig
 from shared import topics
 from shared.kafka import ensure_topics, make_producer, send
+from shared.metrics import Samples, scrape, total
 from shared.schemas import DeadLetter, Metrics, RewardEvent, ScoredTrajectory, Task, Trajectory
 from verifier_service.main import run
 
@@ -27,10 +30,15 @@ def _traj(unique: str, i: int, text: str, finish_reason: str = "stop") -> Trajec
     )
 
 
+async def _prometheus(config: FlywheelConfig) -> Samples:
+    """The running service's Prometheus samples, from its metrics port."""
+    return await asyncio.to_thread(scrape, f"http://127.0.0.1:{config.telemetry.metrics_port}/metrics")
+
+
 async def test_service_scores_emits_rewards_and_dead_letters(kafka_cfg, unique, tmp_path, read_topic):
     await ensure_topics(kafka_cfg)
     config = FlywheelConfig(
-        kafka=kafka_cfg, run={"dir": str(tmp_path)},
+        kafka=kafka_cfg, run={"dir": str(tmp_path)}, telemetry={"metrics_port": free_port()},
         verifier={"consumer_group": f"verifier-{unique}", "metrics_interval_s": 0.5},
     )
     stop = asyncio.Event()
@@ -76,6 +84,14 @@ async def test_service_scores_emits_rewards_and_dead_letters(kafka_cfg, unique, 
         assert "not JSON" in dead[0].reason
         assert metrics, "no verifier Metrics snapshot with the counts"
 
+        # Prometheus (at least this test's records: the group reads the session broker's topic from the start)
+        prom = await _prometheus(config)
+        rewards = {(lab["domain"], lab["kind"], lab["passed"]): v for lab, v in prom["flywheel_verifier_rewards_total"]}
+        assert rewards[("toy", "regex", "true")] >= 1 and rewards[("toy", "regex", "false")] >= 1
+        assert total(prom, "flywheel_verifier_infra_errors_total", lambda lab: lab["kind"] == "regex") >= 1
+        assert total(prom, "flywheel_verifier_dlq_records_total", lambda lab: lab["topic"] == topics.TRAJECTORIES) >= 1
+        scored_regex = total(prom, "flywheel_verifier_verify_seconds_count", lambda lab: lab["kind"] == "regex")
+        assert scored_regex == sum(rewards.values())  # an aborted generation is not scored, so not timed
         assert not task.done(), "the service stopped after a malformed record"
     finally:
         await producer.stop()
@@ -148,7 +164,7 @@ async def test_service_runs_domain_recipes_counts_hacks_and_gates_and_calibrates
             "consumer_group": f"verifier-{unique}", "metrics_interval_s": 0.5,
             "judge": {"base_url": url, "calibration_file": str(labelled), "calibration_every_s": 0.5},
             "recipes": {"geometry": {"rules": [{"rule": "format", "answer_tag": True}, {"rule": "truncation"}],
-                                     "gates": ["format", "truncation"]}}})
+                                     "gates": ["format", "truncation"]}}}, telemetry={"metrics_port": free_port()})
         stop = asyncio.Event()
         task = asyncio.create_task(run(config, stop))
         producer = make_producer(kafka_cfg)
@@ -174,6 +190,7 @@ async def test_service_runs_domain_recipes_counts_hacks_and_gates_and_calibrates
                 and r.values.get("verifier/hack_multiple_answers", 0) >= 1)
             judge = await read_topic(kafka_cfg, topics.METRICS, Metrics, 1,
                                      keep=lambda r: r.source == "verifier" and "judge/accuracy" in r.values)
+            prom = await _prometheus(config)
         finally:
             await producer.stop()
             stop.set()
@@ -185,9 +202,21 @@ async def test_service_runs_domain_recipes_counts_hacks_and_gates_and_calibrates
     assert r[f"{unique}:2"].total == 0.0 and r[f"{unique}:2"].details["gated_by"] == ["truncation"]
     assert "multiple_answers" in r[f"{unique}:3"].details["hacks"]
     assert metrics and judge[0].values["judge/accuracy"] == 1.0 and judge[0].values["judge/n"] == 2
+    assert total(prom, "flywheel_verifier_hacks_total", lambda lab: lab["detector"] == "multiple_answers") >= 1
+    assert total(prom, "flywheel_verifier_gates_total", lambda lab: lab["gate"] == "truncation") >= 1
+    assert total(prom, "flywheel_verifier_rewards_total", lambda lab: lab["domain"] == "geometry") >= 2
     ev = {e.trajectory_id: e for e in events}
     assert ev[f"{unique}:4"].misconfigured and "composite" in ev[f"{unique}:4"].reason  # the domain pauses
     assert not ev[f"{unique}:0"].misconfigured and ev[f"{unique}:0"].reason is None
+    # the analyst's fields: the scored record's components, the gates that fired, the hacks, the spec's kind
+    for tid, e in ev.items():
+        assert e.components == r[tid].components and e.event_time is not None
+        assert e.verifier_kind == next(t for t in trajs if t.trajectory_id == tid).task.verifier.kind
+    assert ev[f"{unique}:2"].gates == ["truncation"] and ev[f"{unique}:2"].reward == 0.0
+    assert ev[f"{unique}:1"].gates == [] and ev[f"{unique}:1"].components["format"] == 1.0
+    assert "multiple_answers" in ev[f"{unique}:3"].hacks
+    assert {e.verifier_kind for e in ev.values()} >= {"json_fields", "geometry"}
+    assert all(time.time() - 120 < e.event_time <= time.time() for e in ev.values())
 
 
 async def test_reward_events_carry_the_rollout_and_verifier_cost(kafka_cfg, unique, tmp_path, read_topic, sandbox_url):
@@ -216,8 +245,9 @@ async def test_reward_events_carry_the_rollout_and_verifier_cost(kafka_cfg, uniq
     ]
     with ScriptedJudgeServer(lambda u: "SCORE: 8") as url:
         await ensure_topics(kafka_cfg)
-        config = FlywheelConfig(kafka=kafka_cfg, run={"dir": str(tmp_path)}, verifier={
-            "consumer_group": f"verifier-{unique}", "sandbox_url": sandbox_url, "judge": {"base_url": url}})
+        config = FlywheelConfig(kafka=kafka_cfg, run={"dir": str(tmp_path)}, telemetry={"metrics_port": free_port()},
+                                verifier={"consumer_group": f"verifier-{unique}", "sandbox_url": sandbox_url,
+                                          "judge": {"base_url": url}})
         stop = asyncio.Event()
         task = asyncio.create_task(run(config, stop))
         producer = make_producer(kafka_cfg)
@@ -227,12 +257,18 @@ async def test_reward_events_carry_the_rollout_and_verifier_cost(kafka_cfg, uniq
                 await (await send(producer, topics.TRAJECTORIES, t, t.group_id))
             ids = {t.trajectory_id for t in trajs}
             events = await read_topic(kafka_cfg, topics.REWARDS, RewardEvent, 3, keep=lambda r: r.trajectory_id in ids)
+            prom = await _prometheus(config)
         finally:
             await producer.stop()
             stop.set()
             await asyncio.wait_for(task, timeout=30)
     ev = {e.trajectory_id: e for e in events}
     plain, tested, judged = (ev[f"{unique}:{i}"] for i in range(3))
+    # Prometheus (at least this test's records: the group reads the session broker's topic from the start)
+    assert total(prom, "flywheel_verifier_sandbox_seconds_count") >= 1  # the unit tests' request
+    assert total(prom, "flywheel_verifier_sandbox_seconds_sum") >= tested.cost["sandbox_seconds"] * 0.999
+    assert total(prom, "flywheel_verifier_verify_seconds_count", lambda lab: lab["kind"] == "unit_tests") >= 1
+    assert total(prom, "flywheel_verifier_rewards_total", lambda lab: lab["passed"] == "true") >= 3
     assert plain.passed and tested.passed and judged.reward == pytest.approx(0.9)  # (1 + 0.8) / 2
     assert plain.cost["generated_tokens"] == plain.completion_tokens == 3
     assert plain.cost["tool_rounds"] == 0 and plain.cost["tool_seconds"] == 0

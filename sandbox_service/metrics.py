@@ -1,0 +1,94 @@
+"""The sandbox's Prometheus metrics, served on its API at ``GET /metrics``.
+
+The run latency histogram (by language) is observed once per execution; the counters, the breaker and
+the slots are read from the :class:`sandbox_service.pool.Pool` when scraped (:class:`PoolCollector`), so the
+execution path does no more than it did before.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from shared.metrics import process_registry
+
+if TYPE_CHECKING:
+    from sandbox_service.pool import Pool
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+"""Buckets (seconds) of ``flywheel_sandbox_execution_seconds`` (``+Inf`` is added)."""
+POOL_COUNTERS = {
+    "attempts": "Executions attempted on a worker (retries included).",
+    "environment_failures": "Attempts that failed in the environment (worker died or hung, torn frame, set-up).",
+    "workers_started": "Worker processes started.",
+    "workers_recycled": "Workers replaced after sandbox.recycle_after_runs runs.",
+    "workers_found_dead": "Idle workers found dead when taken.",
+    "worker_restart_gave_up": "Worker replacements given up after repeated start failures.",
+    "health_checks": "Canary runs of the idle-worker health check.",
+    "health_check_failures": "Health-check canaries that failed.",
+    "breaker_trials": "Trial runs of the open circuit breaker.",
+}
+"""``Pool.counters`` keys exposed as ``flywheel_sandbox_<key>_total``, with their meaning."""
+
+
+class SandboxMetrics:
+    """The sandbox's families on one registry (one per :class:`Pool`).
+
+    Args:
+        pool: the pool whose state the scrape-time families read.
+        registry: where the families go; default a fresh :func:`shared.metrics.process_registry`.
+    """
+
+    def __init__(self, pool: "Pool", registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry if registry is not None else process_registry()
+        self.execution_seconds = Histogram(
+            "flywheel_sandbox_execution_seconds", "Seconds of one execution request, from admission to result "
+            "(waiting for a worker and retries included), by language.", ["language"], buckets=LATENCY_BUCKETS_S,
+            registry=r)
+        r.register(PoolCollector(pool))
+
+
+class PoolCollector:
+    """Families read from the pool at scrape time: ``flywheel_sandbox_runs_total{status}``, the
+    :data:`POOL_COUNTERS`, ``…_breaker_open`` (1 while open or half-open), ``…_busy_slots`` (workers running
+    an execution), ``…_idle_slots`` (workers waiting for one), ``…_waiting_runs`` (executions waiting for a
+    worker), ``…_workers_alive`` and ``…_workers_configured``."""
+
+    def __init__(self, pool: "Pool") -> None:
+        self.pool = pool
+
+    def describe(self) -> list:
+        """The families without samples (registering reads nothing)."""
+        return list(self._families())
+
+    def _families(self) -> Iterator:
+        yield CounterMetricFamily("flywheel_sandbox_runs", "Executions answered, by result status.", labels=["status"])
+        for k, doc in POOL_COUNTERS.items():
+            yield CounterMetricFamily(f"flywheel_sandbox_{k}", doc)
+        yield GaugeMetricFamily("flywheel_sandbox_breaker_open", "1 while the circuit breaker refuses work.")
+        yield GaugeMetricFamily("flywheel_sandbox_busy_slots", "Workers running an execution now.")
+        yield GaugeMetricFamily("flywheel_sandbox_idle_slots", "Workers idle, waiting for an execution.")
+        yield GaugeMetricFamily("flywheel_sandbox_waiting_runs", "Executions waiting for a worker.")
+        yield GaugeMetricFamily("flywheel_sandbox_workers_alive", "Worker processes alive.")
+        yield GaugeMetricFamily("flywheel_sandbox_workers_configured", "Worker slots configured "
+                                "(sandbox.max_concurrency).")
+
+    def collect(self) -> Iterator:
+        """Read the pool now and yield the families."""
+        p = self.pool
+        fams = self._families()
+        runs = next(fams)
+        for status, n in p.runs.items():
+            runs.add_metric([status], n)
+        yield runs
+        for k in POOL_COUNTERS:
+            fam = next(fams)
+            fam.add_metric([], p.counters[k])
+            yield fam
+        values = (int(p.breaker.state != "closed"), p.running, p.idle.qsize(), p.waiting,
+                  sum(w.alive for w in list(p.workers.values())), p.cfg.max_concurrency)
+        for fam, v in zip(fams, values):
+            fam.add_metric([], v)
+            yield fam
