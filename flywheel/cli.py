@@ -131,6 +131,11 @@ def run(
         result = _train(system, cfg, t0, timeout, extra)
     finally:
         _stop(system)
+    _summarise(result, report)
+
+
+def _summarise(result: dict, report: Path | None) -> None:
+    """Print the job's held-out accuracy before and after; write the JSON report and its plot when asked."""
     before, after = result["eval"]["before"], result["eval"]["after"]
     console.print(f"held-out greedy accuracy: {_fmt(before)} -> {_fmt(after)} in {result['steps']} steps, "
                   f"{result['wall_seconds']:.0f} s")
@@ -341,12 +346,7 @@ def job(
         wait_for_scheduler(url, wait)
     t0 = time.monotonic()
     result = _train(RemoteSystem(url.rstrip("/"), Path(cfg.run.dir)), cfg, t0, timeout)
-    before, after = result["eval"]["before"], result["eval"]["after"]
-    console.print(f"held-out greedy accuracy: {_fmt(before)} -> {_fmt(after)} in {result['steps']} steps, "
-                  f"{result['wall_seconds']:.0f} s")
-    if report:
-        png = write_report(report, result)
-        console.print(f"report: {report} (plot {png})")
+    _summarise(result, report)
 
 
 def _stop(system: LocalSystem) -> None:
