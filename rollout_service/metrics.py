@@ -12,24 +12,19 @@ from typing import TYPE_CHECKING, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from shared.metrics import MAX_DOMAINS, SECONDS_SLOW, DomainLabels, process_registry
+from shared.metrics import MAX_DOMAINS, SECONDS_SLOW, ServiceMetrics
 
 if TYPE_CHECKING:
     from rollout_service.emit import Completion
     from shared.schemas import RolloutRequest
 
 
-class RolloutMetrics:
-    """The rollout service's families on one registry (one per service run).
-
-    Args:
-        registry: where the families go; default a fresh :func:`shared.metrics.process_registry`.
-        max_domains: distinct domain label values before ``other``.
-    """
+class RolloutMetrics(ServiceMetrics):
+    """The rollout service's families on one registry (one per service run)."""
 
     def __init__(self, registry: CollectorRegistry | None = None, max_domains: int = MAX_DOMAINS) -> None:
-        self.registry = r = registry if registry is not None else process_registry()
-        self.domain = DomainLabels(max_domains)
+        super().__init__(registry, max_domains)
+        r = self.registry
         self.generate_seconds = Histogram(
             "flywheel_rollout_generate_seconds", "Seconds the engine spent in one generate call (a batch of plain "
             "requests, or one turn of the tool groups), waiting for the engine not counted.", buckets=SECONDS_SLOW,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from shared.metrics import MAX_DOMAINS, VERSIONS, DomainLabels, process_registry
+from shared.metrics import MAX_DOMAINS, VERSIONS, DomainLabels, ServiceMetrics
 
 if TYPE_CHECKING:
     from scheduler_service.guard import DriftGuard
@@ -30,18 +30,13 @@ SPEND_RESOURCES = ("samples", "generated_tokens", "tool_rounds", "tool_seconds",
 """Columns of the registry's ``spend`` table shown as ``flywheel_scheduler_budget_spent{resource}``."""
 
 
-class SchedulerMetrics:
-    """The scheduler's metric families on one registry (one per :class:`scheduler_service.state.SchedulerState`).
-
-    Args:
-        registry: where the families go; default a fresh :func:`shared.metrics.process_registry`.
-        max_domains: distinct domain label values before ``other``.
-    """
+class SchedulerMetrics(ServiceMetrics):
+    """The scheduler's metric families on one registry (one per
+    :class:`scheduler_service.state.SchedulerState`)."""
 
     def __init__(self, registry: CollectorRegistry | None = None, max_domains: int = MAX_DOMAINS) -> None:
-        self.registry = r = registry if registry is not None else process_registry()
-        self.domain = DomainLabels(max_domains)
-        """The bounded domain label of this registry's families."""
+        super().__init__(registry, max_domains)
+        r = self.registry
         dp = ["domain", "purpose"]
         self.groups_issued = Counter("flywheel_scheduler_groups_issued", "Groups sent as rollout requests for the "
                                      "first time (purpose train or eval).", dp, registry=r)

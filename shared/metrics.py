@@ -7,8 +7,8 @@ process never add up), and builds that object in its ``run()``. This module hold
 - **Names**: ``flywheel_<area>_<what>_<unit>`` (``flywheel_verifier_verify_seconds``,
   ``flywheel_scheduler_groups_issued_total``); counters end in ``_total``, times are seconds,
   staleness is policy versions.
-- **Bounded domain labels**: :class:`DomainLabels` (one per service's metrics object) and
-  :func:`domain_label` (one per process). A run may have hundreds of domains and every label value is a
+- **Bounded domain labels**: :class:`DomainLabels` (one per service's metrics object,
+  :class:`ServiceMetrics`). A run may have hundreds of domains and every label value is a
   time series in Prometheus, so the first :data:`MAX_DOMAINS` distinct domain names keep their own label
   value and every later one gets :data:`OTHER` (``"other"``). A labelled family therefore has at most
   ``MAX_DOMAINS + 1`` domain values per process, whatever the run. Which domains get their own value
@@ -16,7 +16,7 @@ process never add up), and builds that object in its ``run()``. This module hold
   still gives exact run totals.
 - **Serving**: the scheduler and the sandbox answer ``GET /metrics`` on their own API (:func:`render`);
   rollout, verifier and trainer start a small HTTP server on ``telemetry.metrics_host:metrics_port``
-  (:func:`serve_metrics`, :func:`start_metrics_server`).
+  (:func:`serve_metrics`).
 - **Reading**: :func:`scrape` and :func:`parse` turn an exposition into ``{sample name: [(labels, value)]}``
   (tests, the Grafana dashboard check).
 
@@ -98,15 +98,6 @@ class DomainLabels:
         return frozenset(self._kept)
 
 
-_DOMAINS = DomainLabels()
-
-
-def domain_label(name: str | None) -> str:
-    """The bounded label value of domain ``name`` in this process (:class:`DomainLabels` with cap
-    :data:`MAX_DOMAINS`): at most ``MAX_DOMAINS + 1`` distinct values (the names, then ``"other"``)."""
-    return _DOMAINS(name)
-
-
 def process_registry() -> CollectorRegistry:
     """A fresh registry with the process collector (``process_cpu_seconds_total``,
     ``process_resident_memory_bytes``, open fds...) registered; a service adds its families to it.
@@ -117,6 +108,21 @@ def process_registry() -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=True)
     ProcessCollector(registry=registry)
     return registry
+
+
+class ServiceMetrics:
+    """Base of a service's metric families (``<service>/metrics.py``): one registry per service run and the
+    bounded domain label its families use; a subclass adds its families to :attr:`registry`.
+
+    Args:
+        registry: where the families go; default a fresh :func:`process_registry`.
+        max_domains: distinct domain label values before ``other``.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, max_domains: int = MAX_DOMAINS) -> None:
+        self.registry = registry if registry is not None else process_registry()
+        self.domain = DomainLabels(max_domains)
+        """The bounded domain label of this registry's families."""
 
 
 def render(registry: CollectorRegistry, accept: str | None = None) -> tuple[bytes, str]:
@@ -156,17 +162,6 @@ def serve_metrics(cfg: TelemetryConfig, registry: CollectorRegistry) -> MetricsS
     port = server.server_address[1]
     log.info("Prometheus metrics on http://%s:%d/metrics", cfg.metrics_host, port)
     return MetricsServer(port, server)
-
-
-def start_metrics_server(cfg: TelemetryConfig, registry: CollectorRegistry) -> int | None:
-    """:func:`serve_metrics`, returning only the port (``None`` when metrics are off or the port is 0).
-    The server runs until the process exits.
-
-    Raises:
-        OSError: the port cannot be bound.
-    """
-    server = serve_metrics(cfg, registry)
-    return server.port if server is not None else None
 
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from shared.metrics import MAX_DOMAINS, SECONDS_SLOW, VERSIONS, DomainLabels, process_registry
+from shared.metrics import MAX_DOMAINS, SECONDS_SLOW, VERSIONS, ServiceMetrics
 
 if TYPE_CHECKING:
     from trainer_service.groups import Drop, Group
@@ -24,17 +24,12 @@ backward, AdamW), the CPU copy of the weights, step end → version announced (w
 torch.distributed broadcast (``weights.transport: distributed``), step end → trainer state written."""
 
 
-class TrainerMetrics:
-    """The trainer's families on one registry (one per service run).
-
-    Args:
-        registry: where the families go; default a fresh :func:`shared.metrics.process_registry`.
-        max_domains: distinct domain label values before ``other``.
-    """
+class TrainerMetrics(ServiceMetrics):
+    """The trainer's families on one registry (one per service run)."""
 
     def __init__(self, registry: CollectorRegistry | None = None, max_domains: int = MAX_DOMAINS) -> None:
-        self.registry = r = registry if registry is not None else process_registry()
-        self.domain = DomainLabels(max_domains)
+        super().__init__(registry, max_domains)
+        r = self.registry
         self.phase_seconds = Histogram("flywheel_trainer_phase_seconds", "Seconds of each phase of a step "
                                        "(trainer_service.metrics.PHASES).", ["phase"], buckets=SECONDS_SLOW,
                                        registry=r)

@@ -10,23 +10,18 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from shared.metrics import MAX_DOMAINS, SECONDS_FAST, DomainLabels, process_registry
+from shared.metrics import MAX_DOMAINS, SECONDS_FAST, ServiceMetrics
 
 if TYPE_CHECKING:
     from shared.schemas import Reward, Trajectory
 
 
-class VerifierMetrics:
-    """The verifier's families on one registry (one per service run).
-
-    Args:
-        registry: where the families go; default a fresh :func:`shared.metrics.process_registry`.
-        max_domains: distinct domain label values before ``other``.
-    """
+class VerifierMetrics(ServiceMetrics):
+    """The verifier's families on one registry (one per service run)."""
 
     def __init__(self, registry: CollectorRegistry | None = None, max_domains: int = MAX_DOMAINS) -> None:
-        self.registry = r = registry if registry is not None else process_registry()
-        self.domain = DomainLabels(max_domains)
+        super().__init__(registry, max_domains)
+        r = self.registry
         self.verify_seconds = Histogram(
             "flywheel_verifier_verify_seconds", "Seconds in the scorer for one trajectory, every attempt, retry "
             "back-off not counted, by verifier kind.", ["kind"], buckets=SECONDS_FAST, registry=r)
