@@ -8,7 +8,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 
 from scheduler_service.config import SchedulerSettings
-from scheduler_service.routes import dashboard, domains, evals, metrics, monitor, status, tasks
+from scheduler_service.routes import dashboard, domains, evals, metrics, monitor, status, system, tasks
 from scheduler_service.state import SchedulerState
 from shared.http import install_validation_handler
 from shared.telemetry import HTTP_TELEMETRY
@@ -36,7 +36,7 @@ def create_app(config: SchedulerSettings, state: SchedulerState) -> FastAPI:
     app.state.scheduler = state
     app.state.config = config
     for r in (tasks.router, evals.router, domains.router, monitor.router, status.router, dashboard.router,
-              metrics.router):
+              metrics.router, system.router):
         app.include_router(r)
     install_validation_handler(app)
     return app

@@ -98,6 +98,27 @@ class TelemetryConfig(BaseModel):
     a group is 3 to 9 spans)."""
 
 
+class AuthConfig(BaseModel):
+    """The bearer token that guards every mutating route (scheduler and sandbox). Env names:
+    ``FLYWHEEL_AUTH__<FIELD>``; :mod:`shared.auth` resolves it.
+
+    The token is read from :attr:`token` (``FLYWHEEL_AUTH__TOKEN``), else from the file :attr:`token_file`
+    (``FLYWHEEL_AUTH__TOKEN_FILE``; relative to ``run.dir``). The embedded launcher generates one and writes it
+    with mode 0600 to ``<run dir>/auth_token``. A server that finds neither generates the file itself, so a
+    mutating route is never open by accident; ``required: false`` turns the check off (never do that on a
+    shared host).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    token: str | None = Field(None, min_length=16, max_length=4096, repr=False)
+    """The token itself (prefer the file: the environment is visible to the process's children)."""
+    token_file: str = "auth_token"
+    """File that holds the token (one line); relative to ``run.dir`` unless absolute."""
+    required: bool = True
+    """Refuse mutating requests without ``Authorization: Bearer <token>`` (HTTP 401)."""
+
+
 class WeightsConfig(BaseModel):
     """How new policy versions reach the rollout engines; read by the trainer (sender) and the rollout
     service (receiver). Env names: ``FLYWHEEL_WEIGHTS__<FIELD>``."""
@@ -164,6 +185,7 @@ class Settings(BaseSettings):
     model: ModelConfig = ModelConfig()
     run: RunConfig = RunConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    auth: AuthConfig = AuthConfig()
 
     @classmethod
     def settings_customise_sources(
