@@ -2,6 +2,9 @@
 
 Memory storage on loopback, a free port, stopped by its process id. It keeps messages in memory:
 what must survive lives in the scheduler's registry and the trainer's checkpoints (DESIGN.md).
+The broker runs with a minimal environment (:data:`BROKER_ENV_ALLOW`: no API keys or cloud
+credentials of the caller) and umask 0o077. The supervisor (:mod:`flywheel.launcher`) restarts a
+dead broker on the same port with :meth:`EmbeddedBroker.start` (``port=``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,17 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
+
+#: The only variables of the caller's environment the broker gets (memory storage needs no credentials;
+#: ``RUST_LOG``/``RUST_BACKTRACE`` are Tansu's own logging switches).
+BROKER_ENV_ALLOW = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "RUST_LOG", "RUST_BACKTRACE")
+
+
+def broker_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The broker's environment: the :data:`BROKER_ENV_ALLOW` variables of ``environ`` (default ``os.environ``)."""
+    environ = os.environ if environ is None else environ
+    return {k: environ[k] for k in BROKER_ENV_ALLOW if k in environ}
 
 
 def tansu_binary() -> Path:
@@ -74,8 +88,12 @@ class EmbeddedBroker:
 
     @classmethod
     def start(cls, port: int | None = None, host: str = "127.0.0.1", log_path: str | os.PathLike | None = None,
-              timeout_s: float = 30.0) -> "EmbeddedBroker":
+              timeout_s: float = 30.0, env: Mapping[str, str] | None = None) -> "EmbeddedBroker":
         """Start tansu on ``host:port`` (a free port when None) and wait until it accepts connections.
+
+        The process gets ``env`` (default :func:`broker_env`), umask 0o077, its own session, and appends
+        to ``log_path`` (created 0600). Restarting on the port of a dead broker works at once (Tansu
+        listens with ``SO_REUSEADDR``, so sockets of the old one in TIME_WAIT do not block it).
 
         Raises:
             FileNotFoundError: no tansu binary.
@@ -84,12 +102,17 @@ class EmbeddedBroker:
         """
         port = port or free_port(host)
         url = f"tcp://{host}:{port}"
-        out = open(log_path, "ab") if log_path else subprocess.DEVNULL
-        proc = subprocess.Popen(
-            [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
-             "--storage-engine", "memory://tansu/"],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        )
+        out = open_private_log(log_path) if log_path else subprocess.DEVNULL
+        try:
+            proc = subprocess.Popen(
+                [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
+                 "--storage-engine", "memory://tansu/"],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                env=dict(broker_env() if env is None else env), umask=0o077,
+            )
+        finally:
+            if log_path:
+                out.close()
         broker = cls(host, port, proc)
         try:
             deadline = time.monotonic() + timeout_s
@@ -116,6 +139,11 @@ class EmbeddedBroker:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def open_private_log(path: str | os.PathLike):
+    """Open ``path`` for appending in binary mode, creating it with mode 0600 (the caller closes it)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
 
 
 def stop_pid(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:

@@ -33,9 +33,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from flywheel.config import load_config
+from flywheel.clean import clean_cmd
 from flywheel.launcher import LocalSystem, overrides_to_env
 from flywheel.report import write_report
 from flywheel.tasks import make_tasks
+from shared.auth import token_from_run_dir
+from shared.client import (SCHEDULER_IDEMPOTENT_POSTS, ApiClient, ApiError, ApiUnreachable, RetryEvent, RetryPolicy,
+                           Token)
 from shared.model import resolve_model_dir
 
 app = typer.Typer(add_completion=False, help="Flywheel: asynchronous RL post-training over Kafka.")
@@ -45,6 +49,11 @@ log = logging.getLogger("flywheel")
 ConfigArg = Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="System config (YAML).")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override, e.g. budget.max_steps=5 (repeatable).")]
 RunDirOpt = Annotated[Optional[Path], typer.Option(help="Run directory (default: the config's run.dir).")]
+RetryOpt = Annotated[float, typer.Option(
+    min=0.0, help="Seconds the CLI keeps retrying an unreachable scheduler (a restart) before it gives up.")]
+
+#: How long a one-shot command (submit, status, domains, alerts, control) retries an unreachable scheduler (s).
+COMMAND_RETRY_S = 15.0
 
 
 def _load(config: Path, sets: list[str] | None):
@@ -83,28 +92,108 @@ def _start(config: Path, sets: list[str] | None, run_dir: Path | None, fresh: bo
     return system, cfg
 
 
-def submit_tasks(url: str, tasks: list[dict], batch: int = 1000) -> list[str]:
-    """POST tasks to the scheduler in batches; returns their ids.
+def scheduler_client(url: str, token: Token, retry_s: float = COMMAND_RETRY_S,
+                     on_retry=None) -> ApiClient:
+    """A client of the scheduler at ``url`` that sends ``token`` and retries through a restart for up to
+    ``retry_s`` seconds per call (``POST /v1/tasks`` included: it is idempotent, see shared/client.py).
+    Pauses stay under 1 s: ``on_retry`` supervises the system (``LocalSystem.check``) between attempts,
+    and the launcher wants that at least every second."""
+    return ApiClient(url, token, timeout=10.0, on_retry=on_retry,
+                     retry=RetryPolicy(deadline_s=retry_s, max_backoff_s=1.0,
+                                       idempotent_posts=SCHEDULER_IDEMPOTENT_POSTS))
+
+
+def submit_tasks(api: ApiClient | str, tasks: list[dict], batch: int = 1000, token: Token = None) -> list[str]:
+    """POST tasks to the scheduler in batches; returns their ids. ``api``: a client, or the scheduler's URL
+    (then ``token``, else the environment's token, is sent). A batch is retried through a restart: the
+    registry stores a batch posted twice once (``POST /v1/tasks`` is idempotent).
 
     Raises:
-        httpx.HTTPStatusError: the scheduler refused a batch (the message holds its reply).
+        shared.client.ApiStatusError: the scheduler refused a batch (the message holds its reply; 401:
+            :class:`shared.client.Unauthorized`, saying where the token comes from).
+        shared.client.ApiUnreachable: no answer within the client's retry deadline.
     """
-    ids: list[str] = []
-    for i in range(0, len(tasks), batch):
-        r = httpx.post(f"{url}/v1/tasks", json={"tasks": tasks[i:i + batch]}, timeout=120)
-        if r.status_code != 202:
-            raise httpx.HTTPStatusError(f"POST /v1/tasks -> {r.status_code}: {r.text[:2000]}", request=r.request,
-                                        response=r)
-        ids.extend(r.json()["task_ids"])
-    return ids
+    own = isinstance(api, str)
+    client = scheduler_client(api, token or token_from_run_dir(None), retry_s=300.0) if own else api
+    try:
+        ids: list[str] = []
+        for i in range(0, len(tasks), batch):
+            ids.extend(client.post("/v1/tasks", {"tasks": tasks[i:i + batch]}, timeout=120)["task_ids"])
+        return ids
+    finally:
+        if own:
+            client.close()
 
 
-def _wait_eval(system: LocalSystem, round_id: int, timeout_s: float) -> dict:
+def _token_for(run_dir: str | os.PathLike | None, cfg=None) -> Token:
+    """Where the CLI finds the system's token, read at each request (the launcher may write the file after
+    the client is made), first found wins: ``auth.token`` of the config, ``$FLYWHEEL_AUTH__TOKEN``, the run
+    dir's own files (``<run_dir>/auth_token``, which the launcher writes, then the config's
+    ``auth.token_file`` there), ``$FLYWHEEL_AUTH__TOKEN_FILE``. The run dir comes before the environment's
+    file: it names this system, the variable may have been set for another."""
+    def token() -> str | None:
+        if cfg is not None and cfg.auth.token:
+            return cfg.auth.token
+        if os.environ.get("FLYWHEEL_AUTH__TOKEN"):
+            return os.environ["FLYWHEEL_AUTH__TOKEN"]
+        if run_dir is not None:
+            names = ["auth_token"] + ([os.path.expanduser(cfg.auth.token_file)] if cfg is not None else [])
+            for name in names:
+                try:
+                    if text := (Path(run_dir) / name).read_text().strip():
+                        return text
+                except OSError:
+                    pass
+        return token_from_run_dir(None)
+    return token
+
+
+class SchedulerApi:
+    """The job's client of the scheduler (:func:`_train`): every call retries through a scheduler restart
+    for up to ``retry_s`` seconds while supervising ``system`` (``system.check()`` restarts the dead
+    scheduler, and raises when the supervisor gives up). Says once per outage that the scheduler is
+    unreachable, and when it answers again."""
+
+    def __init__(self, system, token: Token, retry_s: float) -> None:
+        self.system, self.retry_s = system, retry_s
+        self.client = scheduler_client(system.scheduler_url, token, retry_s, on_retry=self._on_retry)
+        self.down_since: float | None = None
+
+    def _on_retry(self, ev: RetryEvent) -> None:
+        for note in self.system.check():
+            console.print(f"[yellow]{note}[/]")
+        if self.down_since is None:
+            self.down_since = time.monotonic() - ev.elapsed_s
+            who = "restarted by the supervisor" if isinstance(self.system, LocalSystem) else \
+                "waiting for its orchestrator to restart it"
+            console.print(f"[yellow]scheduler unreachable ({ev.error}), retrying for up to {self.retry_s:.0f} s "
+                          f"({who})[/]")
+
+    def _answered(self) -> None:
+        if self.down_since is not None:
+            console.print(f"[green]scheduler answering again after {time.monotonic() - self.down_since:.1f} s[/]")
+            self.down_since = None
+
+    def get(self, path: str, **kw):
+        out = self.client.get(path, **kw)
+        self._answered()
+        return out
+
+    def post(self, path: str, json=None, **kw):
+        out = self.client.post(path, json, **kw)
+        self._answered()
+        return out
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _wait_eval(system: LocalSystem, api: SchedulerApi, round_id: int, timeout_s: float) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         for note in system.check():
             console.print(f"[yellow]{note}[/]")
-        ev = httpx.get(f"{system.scheduler_url}/v1/evals/{round_id}", timeout=10).json()
+        ev = api.get(f"/v1/evals/{round_id}")
         if ev.get("done"):
             return ev
         if time.monotonic() > deadline:
@@ -120,15 +209,20 @@ def run(
     run_dir: RunDirOpt = None,
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 3600.0,
     submit: Annotated[Optional[Path], typer.Option(help="Also submit this JSONL task file.")] = None,
+    retry: RetryOpt = 120.0,
 ) -> None:
-    """Train end to end: start everything, submit the config's tasks, train, evaluate before/after, stop."""
+    """Train end to end: start everything, submit the config's tasks, train, evaluate before/after, stop.
+    A crashed service (the scheduler included) is restarted by the supervisor and the job goes on."""
     logging.basicConfig(level=logging.WARNING)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the services too, not only Ctrl-C
     t0 = time.monotonic()
     extra = _read_jsonl(submit) if submit else []
     system, cfg = _start(config, set_, run_dir, fresh=True)
     try:
-        result = _train(system, cfg, t0, timeout, extra)
+        result = _train(system, cfg, t0, timeout, extra, retry_s=retry)
+    except httpx.HTTPError as e:  # shared.client's ApiError included: it names the URL, attempts, last error
+        console.print(f"[red]the job stopped: {e if isinstance(e, ApiError) else f'{type(e).__name__}: {e}'}[/]")
+        raise typer.Exit(1) from None
     finally:
         _stop(system)
     _summarise(result, report)
@@ -152,30 +246,38 @@ def _fmt(ev: dict | None) -> str:
     return "n/a" if not ev or ev.get("accuracy") is None else f"{ev['accuracy']:.3f} (n={ev['n']})"
 
 
-def _train(system: LocalSystem, cfg, t0: float, timeout_s: float, extra: list[dict] = ()) -> dict:
+def _train(system: LocalSystem, cfg, t0: float, timeout_s: float, extra: list[dict] = (),
+           retry_s: float = 120.0) -> dict:
     """The main job's phases: submit the tasks, follow training to ``budget.max_steps``, evaluate the
-    held-out split at the final version, and gather the report (:func:`_report`).
+    held-out split at the final version, and gather the report (:func:`_report`). Every request to the
+    scheduler sends the system's token and rides through a scheduler restart (:class:`SchedulerApi`).
 
     Raises:
         TimeoutError: training or the final evaluation did not finish by ``t0 + timeout_s``.
-        httpx.HTTPError: the scheduler refused the tasks or stopped answering.
+        shared.client.ApiError: the scheduler refused the tasks, or stayed unreachable for ``retry_s`` seconds.
+        RuntimeError: the supervisor gave up on a service (``LocalSystem.check``).
     """
-    tasks = make_tasks(cfg.tasks) + list(extra)
-    submit_tasks(system.scheduler_url, tasks)
-    deadline = t0 + timeout_s
-    eval_rows = _follow_training(system, cfg.budget.max_steps, deadline)
-    before = next((e for e in sorted(eval_rows.values(), key=lambda e: e["eval_round"])
-                   if e["min_policy_version"] == 0), None)
-    after = None
-    held_out = httpx.get(f"{system.scheduler_url}/v1/status", timeout=10).json()["tasks"].get("eval", 0)
-    if held_out:  # submitted, or made by the generator domains (``domains.<d>.eval_size``)
-        after = _final_eval(system, cfg.budget.max_steps, deadline)
-    return _report(system, cfg, t0, before, after)
+    api = SchedulerApi(system, _token_for(system.run_dir, cfg), retry_s)
+    try:
+        tasks = make_tasks(cfg.tasks) + list(extra)
+        submit_tasks(api.client, tasks)
+        deadline = t0 + timeout_s
+        eval_rows = _follow_training(system, api, cfg.budget.max_steps, deadline)
+        before = next((e for e in sorted(eval_rows.values(), key=lambda e: e["eval_round"])
+                       if e["min_policy_version"] == 0), None)
+        after = None
+        held_out = api.get("/v1/status")["tasks"].get("eval", 0)
+        if held_out:  # submitted, or made by the generator domains (``domains.<d>.eval_size``)
+            after = _final_eval(system, api, cfg.budget.max_steps, deadline)
+        return _report(system, api, cfg, t0, before, after)
+    finally:
+        api.close()
 
 
-def _follow_training(system: LocalSystem, max_steps: int, deadline: float) -> dict[int, dict]:
-    """Poll ``GET /v1/status`` every 2 s with a progress bar until the policy version reaches
-    ``max_steps``; returns the eval rounds seen done, by round id.
+def _follow_training(system: LocalSystem, api: SchedulerApi, max_steps: int, deadline: float) -> dict[int, dict]:
+    """Poll ``GET /v1/status`` every second with a progress bar until the policy version reaches
+    ``max_steps``; returns the eval rounds seen done, by round id. A scheduler restart is ridden through
+    (:class:`SchedulerApi`).
 
     Raises:
         TimeoutError: not there by ``deadline`` (``time.monotonic()`` seconds).
@@ -188,7 +290,7 @@ def _follow_training(system: LocalSystem, max_steps: int, deadline: float) -> di
         while True:
             for note in system.check():
                 progress.console.print(f"[yellow]{note}[/]")
-            st = httpx.get(f"{system.scheduler_url}/v1/status", timeout=10).json()
+            st = api.get("/v1/status")
             for ev in st.get("evals", []):
                 if ev.get("done") and ev["eval_round"] not in eval_rows:
                     eval_rows[ev["eval_round"]] = ev
@@ -199,7 +301,7 @@ def _follow_training(system: LocalSystem, max_steps: int, deadline: float) -> di
                 return eval_rows
             if time.monotonic() > deadline:
                 raise TimeoutError(f"training did not reach {max_steps} steps by the deadline")
-            time.sleep(2.0)
+            time.sleep(1.0)  # also the supervision period (system.check above)
 
 
 def _status_line(st: dict, eval_rows: dict[int, dict]) -> str:
@@ -215,16 +317,16 @@ def _status_line(st: dict, eval_rows: dict[int, dict]) -> str:
             f"clip {tr.get('loss/clip_frac', 0.0):.2f} gnorm {tr.get('train/grad_norm', 0.0):.1f}")
 
 
-def _final_eval(system: LocalSystem, max_steps: int, deadline: float) -> dict:
+def _final_eval(system: LocalSystem, api: SchedulerApi, max_steps: int, deadline: float) -> dict:
     """The held-out round at policy version ``max_steps``: one the scheduler already started
-    (``scheduler.eval_every``), else a new one; waits for it (at least 60 s)."""
-    url = system.scheduler_url
-    rounds = httpx.get(f"{url}/v1/evals", timeout=10).json()
+    (``scheduler.eval_every``), else a new one; waits for it (at least 60 s). The ``POST /v1/evals`` is
+    retried only when it surely did not reach the scheduler (it makes a new round each time)."""
+    rounds = api.get("/v1/evals")
     rid = next((e["eval_round"] for e in rounds if e["min_policy_version"] >= max_steps), None)
     if rid is None:
-        rid = httpx.post(f"{url}/v1/evals", json={"min_policy_version": max_steps}, timeout=10).json()["eval_round"]
+        rid = api.post("/v1/evals", {"min_policy_version": max_steps})["eval_round"]
     with console.status(f"final held-out evaluation at policy version {max_steps}"):
-        return _wait_eval(system, rid, max(60.0, deadline - time.monotonic()))
+        return _wait_eval(system, api, rid, max(60.0, deadline - time.monotonic()))
 
 
 def alert_summary(alerts: dict) -> dict:
@@ -238,16 +340,18 @@ def alert_summary(alerts: dict) -> dict:
         "fired": counts, "active": [a["key"] for a in alerts["active"]]}
 
 
-def _report(system: LocalSystem, cfg, t0: float, before: dict | None, after: dict | None) -> dict:
+def _report(system: LocalSystem, api: SchedulerApi, cfg, t0: float, before: dict | None,
+            after: dict | None) -> dict:
     """The run report (``--report``): title, evals before/after, per-step metrics history, config."""
-    url, max_steps = system.scheduler_url, cfg.budget.max_steps
-    history = httpx.get(f"{url}/v1/metrics/history", timeout=10).json()
+    max_steps = cfg.budget.max_steps
+    history = api.get("/v1/metrics/history")
     # the last step's metrics record may trail its weight announcement (it follows the optimizer state)
     settle = time.monotonic() + 30
     while max((h["step"] for h in history), default=0) < max_steps and time.monotonic() < settle:
         time.sleep(0.5)
-        history = httpx.get(f"{url}/v1/metrics/history", timeout=10).json()
-    evals = httpx.get(f"{url}/v1/evals", timeout=10).json()
+        history = api.get("/v1/metrics/history")
+    evals = api.get("/v1/evals")
+    status = api.get("/v1/status")
     wall = time.monotonic() - t0
 
     def ev(e):
@@ -259,11 +363,11 @@ def _report(system: LocalSystem, cfg, t0: float, before: dict | None, after: dic
                  f"{cfg.budget.batch_groups} groups x {cfg.tasks.samples_per_task} samples, eta={cfg.budget.max_staleness}",
         "eval": {"before": ev(before), "after": ev(after)},
         "steps": max((h["step"] for h in history), default=0),
-        "dropped_groups": httpx.get(f"{url}/v1/status", timeout=10).json().get("dropped_groups", {}),
+        "dropped_groups": status.get("dropped_groups", {}),
         # what the run generated per split (samples, generated_tokens, ...): what `flywheel budget` estimates
-        "cost": httpx.get(f"{url}/v1/status", timeout=10).json().get("cost"),
+        "cost": status.get("cost"),
         "wall_seconds": wall,
-        "alerts": alert_summary(httpx.get(f"{url}/v1/alerts", params={"limit": 10_000}, timeout=10).json()),
+        "alerts": alert_summary(api.get("/v1/alerts", params={"limit": 10_000})),
         "history": [{"step": h["step"], "policy_version": h["policy_version"],
                      "mean_reward": h["values"].get("train/reward_mean"), "time": h["time"], **h["values"]}
                     for h in history],
@@ -280,10 +384,14 @@ def up(config: ConfigArg, set_: SetOpt = None, run_dir: RunDirOpt = None,
     """Start the broker and the five services and keep them running (supervised) until Ctrl-C or `flywheel down`."""
     logging.basicConfig(level=logging.WARNING)
     signal.signal(signal.SIGTERM, _interrupt)  # `flywheel down` sends SIGTERM
-    system, _ = _start(config, set_, run_dir, fresh=False)
+    system, cfg = _start(config, set_, run_dir, fresh=False)
     try:
         if submit:
-            ids = submit_tasks(system.scheduler_url, _read_jsonl(submit))
+            api = SchedulerApi(system, _token_for(system.run_dir, cfg), 300.0)
+            try:  # supervised while it retries: a scheduler that dies meanwhile is restarted
+                ids = submit_tasks(api.client, _read_jsonl(submit))
+            finally:
+                api.close()
             console.print(f"submitted {len(ids)} tasks")
         while True:
             for note in system.check():
@@ -336,16 +444,25 @@ def job(
     set_: SetOpt = None,
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 7200.0,
     wait: Annotated[float, typer.Option(help="Seconds to wait for the scheduler to answer /healthz.")] = 900.0,
+    retry: RetryOpt = 300.0,
+    run_dir: Annotated[Optional[Path], typer.Option(
+        help="The system's run directory, where its token is (<run dir>/auth_token); default: the local "
+             "system's when it serves --url, else the config's run.dir. $FLYWHEEL_AUTH__TOKEN wins.")] = None,
 ) -> None:
     """The main job against a system that is already running (docker-compose): wait for the scheduler, submit
     the config's tasks, follow training to ``budget.max_steps``, evaluate the held-out split, write the report.
-    Starts and stops nothing."""
+    Starts and stops nothing. Sends the system's token; rides through a scheduler restart for ``--retry`` s."""
     logging.basicConfig(level=logging.WARNING)
     cfg, _ = _load(config, set_)
     with console.status(f"waiting for the scheduler at {url}"):
         wait_for_scheduler(url, wait)
     t0 = time.monotonic()
-    result = _train(RemoteSystem(url.rstrip("/"), Path(cfg.run.dir)), cfg, t0, timeout)
+    try:
+        where = run_dir or _local_run_dir(url) or Path(os.path.expanduser(cfg.run.dir))
+        result = _train(RemoteSystem(url.rstrip("/"), where), cfg, t0, timeout, retry_s=retry)
+    except httpx.HTTPError as e:  # shared.client's ApiError included: it names the URL, attempts, last error
+        console.print(f"[red]the job stopped: {e if isinstance(e, ApiError) else f'{type(e).__name__}: {e}'}[/]")
+        raise typer.Exit(1) from None
     _summarise(result, report)
 
 
@@ -375,15 +492,36 @@ def _state(run_dir: Path | None) -> dict:
     return orjson.loads(p.read_bytes())
 
 
+def _local_run_dir(url: str) -> Path | None:
+    """The run dir of the system recorded in the working directory (``.flywheel/current.json``) when its
+    scheduler is at ``url``: a ``--url`` naming the local system finds its token there."""
+    try:
+        st = orjson.loads(_pointer().read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return None
+    return Path(st["run_dir"]) if st.get("scheduler_url", "").rstrip("/") == url.rstrip("/") else None
+
+
+def _target(url: str | None, run_dir: Path | None) -> tuple[str, Token]:
+    """The scheduler's URL and where its token comes from: ``--url`` (token from the environment, else
+    ``--run-dir``'s file, else the local system's when it is at that URL), else the running system's
+    (``<run dir>/flywheel.json``, its ``auth_token``)."""
+    if url is not None:
+        return url.rstrip("/"), _token_for(run_dir or _local_run_dir(url))
+    st = _state(run_dir)
+    return st["scheduler_url"], _token_for(st.get("run_dir") or run_dir)
+
+
 @app.command("submit")
 def submit_cmd(file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="JSONL: one task per line.")],
                url: Annotated[Optional[str], typer.Option(help="Scheduler URL (default: the running system's).")] = None,
-               run_dir: RunDirOpt = None) -> None:
-    """Post tasks from a JSONL file to a running system."""
-    url = url or _state(run_dir)["scheduler_url"]
+               run_dir: RunDirOpt = None, retry: RetryOpt = 120.0) -> None:
+    """Post tasks from a JSONL file to a running system (with its token; retried through a restart)."""
+    url, token = _target(url, run_dir)
     try:
-        ids = submit_tasks(url, _read_jsonl(file))
-    except httpx.HTTPStatusError as e:
+        with scheduler_client(url, token, retry_s=retry) as api:
+            ids = submit_tasks(api, _read_jsonl(file))
+    except ApiError as e:
         console.print(f"[red]{e}[/]")
         raise typer.Exit(1) from None
     console.print(f"submitted {len(ids)} tasks")
@@ -400,32 +538,26 @@ def _alive(pid: int | None) -> bool:
 
 
 @app.command()
-def status(run_dir: RunDirOpt = None) -> None:
+def status(run_dir: RunDirOpt = None, retry: RetryOpt = 5.0) -> None:
     """Show the running system's processes and the scheduler's status."""
     st = _state(run_dir)
     for name, pid in {"supervisor": st["supervisor_pid"], "broker": st["broker_pid"], **st["services"]}.items():
         console.print(f"{name:<11} pid {pid}: {'[green]running[/]' if _alive(pid) else '[red]gone[/]'}")
     console.print(f"dashboard   {st['scheduler_url']}/dashboard")
-    try:
-        console.print_json(httpx.get(f"{st['scheduler_url']}/v1/status", timeout=5).text)
-    except httpx.HTTPError as e:
-        console.print(f"[red]scheduler unreachable: {e}[/]")
-        raise typer.Exit(1) from None
+    out = _call("GET", st["scheduler_url"], _token_for(st.get("run_dir")), "/v1/status", retry_s=retry)
+    console.print_json(orjson.dumps(out).decode())
 
 
 @app.command("domains")
 def domains_cmd(run_dir: RunDirOpt = None,
                 url: Annotated[Optional[str], typer.Option(help="Scheduler URL (default: the running system's).")] = None,
-                json_: Annotated[bool, typer.Option("--json", help="Print GET /v1/domains as JSON.")] = False) -> None:
+                json_: Annotated[bool, typer.Option("--json", help="Print GET /v1/domains as JSON.")] = False,
+                retry: RetryOpt = COMMAND_RETRY_S) -> None:
     """Show the running system's domains: status, weight, share, level, pass rate, tasks, spend against budget."""
     from rich.table import Table
 
-    url = url or _state(run_dir)["scheduler_url"]
-    try:
-        rows = httpx.get(f"{url}/v1/domains", timeout=30).json()
-    except httpx.HTTPError as e:
-        console.print(f"[red]scheduler unreachable: {e}[/]")
-        raise typer.Exit(1) from None
+    target_url, token = _target(url, run_dir)
+    rows = _call("GET", target_url, token, "/v1/domains", retry_s=retry)
     if json_:
         typer.echo(orjson.dumps(rows, option=orjson.OPT_INDENT_2).decode())
         return
@@ -445,29 +577,22 @@ def domains_cmd(run_dir: RunDirOpt = None,
 UrlOpt = Annotated[Optional[str], typer.Option(help="Scheduler URL (default: the running system's).")]
 
 
-def _refused(r: httpx.Response) -> str:
-    """The scheduler's error reply in one line per problem: ``field: message`` for a 422, else its detail."""
+def _call(method: str, url: str, token: Token, path: str, retry_s: float = COMMAND_RETRY_S, **kw):
+    """One request to the scheduler with the token, retried through a restart for ``retry_s`` seconds
+    (shared/client.py says which requests may be retried); unreachable, or a 4xx/5xx reply: a red message
+    (the server's, field by field for a 422; where the token comes from for a 401) and exit 1."""
     try:
-        detail = r.json().get("detail", r.text)
-    except ValueError:
-        detail = r.text
-    if isinstance(detail, list):  # FastAPI validation errors: loc ("body", field, ...) and msg
-        return "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
-                         for e in detail)
-    return str(detail)
-
-
-def _call(method: str, url: str, **kw) -> dict:
-    """One request to the scheduler; unreachable, or a 4xx/5xx reply: a red message and exit 1."""
-    try:
-        r = httpx.request(method, url, timeout=30, **kw)
-    except httpx.HTTPError as e:
+        with scheduler_client(url, token, retry_s) as api:
+            return api.request(method, path, timeout=30, **kw).json()
+    except ApiUnreachable as e:
         console.print(f"[red]scheduler unreachable: {e}[/]")
         raise typer.Exit(1) from None
-    if r.status_code >= 400:
-        console.print(f"[red]{method} {r.url.path} -> {r.status_code}: {_refused(r)}[/]")
-        raise typer.Exit(1)
-    return r.json()
+    except ApiError as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(1) from None
+    except httpx.HTTPError as e:
+        console.print(f"[red]{method} {url}{path}: scheduler unreachable: {type(e).__name__}: {e}[/]")
+        raise typer.Exit(1) from None
 
 
 def _alert_rows(reply: dict, active_only: bool) -> list[tuple[bool, dict]]:
@@ -488,14 +613,14 @@ def alerts_cmd(run_dir: RunDirOpt = None, url: UrlOpt = None,
                severity: Annotated[Optional[str], typer.Option(help="info, warning or critical.")] = None,
                signal_: Annotated[Optional[str], typer.Option("--signal", help="Only this signal's alerts.")] = None,
                limit: Annotated[int, typer.Option(help="Newest records of the history to show.")] = 100,
-               json_: Annotated[bool, typer.Option("--json", help="Print GET /v1/alerts as JSON.")] = False) -> None:
+               json_: Annotated[bool, typer.Option("--json", help="Print GET /v1/alerts as JSON.")] = False,
+               retry: RetryOpt = COMMAND_RETRY_S) -> None:
     """Show the drift monitor's alerts: those firing now first, then the newest records (firing and resolved)."""
     from rich.table import Table
 
-    url = url or _state(run_dir)["scheduler_url"]
     params = {k: v for k, v in {"domain": domain, "severity": severity, "signal": signal_, "limit": limit}.items()
               if v is not None}
-    reply = _call("GET", f"{url}/v1/alerts", params=params)
+    reply = _call("GET", *_target(url, run_dir), "/v1/alerts", retry_s=retry, params=params)
     if json_:
         out = {"active": reply["active"]} if active else reply
         typer.echo(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
@@ -556,7 +681,7 @@ def control_cmd(
     kafka: Annotated[Optional[str], typer.Option(
         help="Publish the Control record straight onto flywheel.control at this bootstrap host:port "
              "(when the REST API is not reachable) instead of POST /v1/control.")] = None,
-    run_dir: RunDirOpt = None, url: UrlOpt = None,
+    run_dir: RunDirOpt = None, url: UrlOpt = None, retry: RetryOpt = COMMAND_RETRY_S,
 ) -> None:
     """Send an operator command to the drift monitor: POST /v1/control (prints what changed), or with --kafka a
     Control record on flywheel.control, which the scheduler applies when it reads it."""
@@ -571,7 +696,7 @@ def control_cmd(
     body = {k: v for k, v in {"command": command, "domain": domain, "signal": signal_, "threshold": th,
                               "reason": reason or None}.items() if v is not None}
     if kafka is None:
-        out = _call("POST", f"{(url or _state(run_dir)['scheduler_url'])}/v1/control", json=body)
+        out = _call("POST", *_target(url, run_dir), "/v1/control", retry_s=retry, json=body)
         typer.echo(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
         return
     _send_control(kafka, body)
@@ -629,6 +754,9 @@ def down(run_dir: RunDirOpt = None, timeout: float = 60.0) -> None:
     if run_dir is None:
         _pointer().unlink(missing_ok=True)
     console.print("stopped")
+
+
+app.command("clean")(clean_cmd)  # flywheel/clean.py: free finished runs' checkpoints
 
 
 @app.command("tasks")

@@ -1,25 +1,45 @@
 """Starting, supervising and stopping a local Flywheel system: the embedded broker plus five services.
 
 Each service is a separate process (``python -m <service>``) in its own session, started with the
-same YAML config and environment overrides, logging under ``<run dir>/logs``. The supervisor
-notices a dead service, says which and why (exit code, last log lines), and restarts it a bounded
-number of times before stopping the whole system cleanly. Everything is stopped by pid.
+same YAML config and environment overrides, logging under ``<run dir>/logs``. Everything is stopped by pid.
+
+Supervision (:meth:`LocalSystem.check`, called in a poll loop by ``flywheel run``/``up``): a dead process is
+reported with its pid, why it died (exit code, or the signal's name) and its last log lines. The broker is
+checked first: a dead broker is restarted at once on the same port (memory storage: it comes back empty),
+its topics are re-created, and the scheduler is told (``POST /v1/system/broker-restarted``) so it re-issues
+every in-flight group at once. A dead service is respawned after an exponential backoff
+(:class:`RestartPolicy`), scheduled rather than slept, so one crash-looping service never holds up the
+others. Restarts are counted per process in a sliding window; crashes of services while, or just after,
+the broker was down are the broker's fault and are not counted against them.
+
+Hygiene: the run directory is 0700 and every child starts with umask 0o077 (its files are 0600); the auth
+token (``<run dir>/auth_token``, 0600) exists before any service starts; services get only the variables of
+:data:`SERVICE_ENV_ALLOW` / :data:`SERVICE_ENV_PREFIXES` from the caller's environment (plus, for the
+verifier only, the judge's API key variable named by ``verifier.judge.api_key_env``); the broker gets
+:data:`flywheel.broker.BROKER_ENV_ALLOW`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 import httpx
 import orjson
 
-from flywheel.broker import EmbeddedBroker, free_port, stop_pid
+from flywheel.broker import EmbeddedBroker, broker_env, free_port, open_private_log, stop_pid
+from shared.auth import auth_headers, ensure_token_file, write_private
+from shared.config import KafkaConfig, read_yaml
 
 log = logging.getLogger("flywheel")
 
@@ -28,26 +48,148 @@ SERVICES = ("sandbox", "verifier", "trainer", "rollout", "scheduler")
 #: Services that serve Prometheus metrics on a port of their own (the scheduler and the sandbox use their API's).
 METRICS_PORT_SERVICES = ("verifier", "trainer", "rollout")
 
+# ---------------------------------------------------------------------- environment
+#: Variables of the caller's environment every service gets, by exact name (issue 19: "services get only the
+#: environment they need"; an API key or cloud credential of the operator's shell never reaches a service,
+#: the sandbox's programs or the broker). Add a name here, and nowhere else, when a service needs one.
+SERVICE_ENV_ALLOW = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "TZ", "TMPDIR", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "XDG_CACHE_HOME",
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+    "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
+    "http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY",
+})
+#: ... and by prefix: locale, Python, Hugging Face / tokenizers, torch, CUDA, OpenTelemetry, Flywheel's own
+#: settings (``FLYWHEEL_<SECTION>__<FIELD>``), TLS trust stores.
+SERVICE_ENV_PREFIXES = ("LC_", "PYTHON", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH_", "CUDA_", "NVIDIA_",
+                        "OTEL_", "FLYWHEEL_", "SSL_CERT_")
+#: umask of each service's process (0o077: files 0600, directories 0700). The sandbox keeps 0o022: its worker
+#: builds the programs' read-only root with plain ``os.mkdir`` and relies on the usual umask for the slot uids
+#: to traverse it (under 0o077 every run failed with ``Permission denied: '/dev/null'``); its files in the run
+#: directory are still private, the run directory being 0700.
+SERVICE_UMASK = {"sandbox": 0o022}
+DEFAULT_UMASK = 0o077
+#: The verifier alone also gets the variable named by ``verifier.judge.api_key_env`` (default below).
+DEFAULT_JUDGE_KEY_ENV = "OPENAI_API_KEY"
+
+
+def allowed_env(environ: Mapping[str, str], extra: tuple[str, ...] = ()) -> dict[str, str]:
+    """The variables of ``environ`` a service may see: :data:`SERVICE_ENV_ALLOW`, :data:`SERVICE_ENV_PREFIXES`
+    and the names in ``extra``."""
+    return {k: v for k, v in environ.items()
+            if k in SERVICE_ENV_ALLOW or k.startswith(SERVICE_ENV_PREFIXES) or k in extra}
+
+
+def judge_key_env(config_path: str | os.PathLike, env: Mapping[str, str]) -> str:
+    """Name of the judge's API key variable: ``FLYWHEEL_VERIFIER__JUDGE__API_KEY_ENV``, else the YAML's
+    ``verifier.judge.api_key_env``, else :data:`DEFAULT_JUDGE_KEY_ENV`."""
+    if env.get("FLYWHEEL_VERIFIER__JUDGE__API_KEY_ENV"):
+        return env["FLYWHEEL_VERIFIER__JUDGE__API_KEY_ENV"]
+    try:
+        judge = (read_yaml(config_path).get("verifier") or {}).get("judge") or {}
+    except (OSError, ValueError, AttributeError):
+        judge = {}
+    return str(judge.get("api_key_env") or DEFAULT_JUDGE_KEY_ENV) if isinstance(judge, dict) else DEFAULT_JUDGE_KEY_ENV
+
+
+def _kafka_partitions(config_path: str | os.PathLike, env: Mapping[str, str]) -> int:
+    """``kafka.partitions`` of the system (environment over YAML over the default), for re-creating topics."""
+    if env.get("FLYWHEEL_KAFKA__PARTITIONS"):
+        return int(env["FLYWHEEL_KAFKA__PARTITIONS"])
+    try:
+        kafka = read_yaml(config_path).get("kafka") or {}
+        return int(kafka.get("partitions") or KafkaConfig().partitions)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return KafkaConfig().partitions
+
+
+# ---------------------------------------------------------------------- supervision
+@dataclass
+class RestartPolicy:
+    """How the supervisor restarts a dead process (a service or the broker).
+
+    A process may die ``max_restarts`` times within any ``window_s`` seconds and be restarted; the next
+    counted death in the window stops the system (issue 19, item 2: a count over the whole run stopped a
+    run whose third crash came hours after the second). Before its k-th restart in a row a service waits
+    ``min(backoff_max_s, backoff_initial_s · 2^(k-1))`` seconds; a process that ran ``stable_s`` seconds
+    before dying starts a new row (1 s again). The broker restarts at once (every service waits on it).
+    Deaths of services within ``broker_grace_s`` seconds after the broker died are not counted and
+    restart after ``backoff_initial_s``.
+    """
+
+    max_restarts: int = 5
+    window_s: float = 600.0
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 30.0
+    stable_s: float = 60.0
+    broker_grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0 or self.window_s <= 0 or self.backoff_initial_s < 0 or self.stable_s < 0:
+            raise ValueError(f"invalid restart policy {self}")
+        if self.backoff_max_s < self.backoff_initial_s or self.broker_grace_s < 0:
+            raise ValueError(f"invalid restart policy {self}")
+
+    def backoff_s(self, streak: int) -> float:
+        """Wait before the ``streak``-th restart in a row (1-based), seconds."""
+        return min(self.backoff_max_s, self.backoff_initial_s * 2 ** max(0, streak - 1))
+
+
+@dataclass
+class SupervisorEvent:
+    """One death seen by the supervisor: ``at`` (Unix s), the ``process`` (``broker`` or a service name), its
+    ``pid``, the ``reason`` (``exit code 1``, ``killed by SIGKILL``), whether it ``counted`` towards the
+    restart window, and the ``new_pid`` once restarted."""
+
+    at: float
+    process: str
+    pid: int
+    reason: str
+    counted: bool
+    new_pid: int | None = None
+
+
+def exit_reason(code: int) -> str:
+    """``exit code N`` for a normal exit, ``killed by SIGNAME`` for a negative (signal) return code."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
 
 @dataclass
 class ServiceProcess:
-    """One supervised service process."""
+    """One supervised service process and its restart bookkeeping (monotonic seconds)."""
 
     name: str
     process: subprocess.Popen
     log_path: Path
     restarts: int = 0
+    """Restarts over the whole run (for the record; the limit uses :attr:`crashes`)."""
+    started_at: float = field(default_factory=time.monotonic)
+    crashes: collections.deque = field(default_factory=collections.deque)
+    """Times of the counted deaths within the window."""
+    streak: int = 0
+    """Restarts in a row without a stable period (sets the backoff)."""
+    restart_at: float | None = None
+    """When the scheduled respawn is due (``None``: running, or not yet seen dead)."""
+    event: SupervisorEvent | None = None
 
     def tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return _tail(self.log_path, lines)
 
 
 @dataclass
 class LocalSystem:
-    """A running local system. Build with :meth:`start`; stop with :meth:`stop`."""
+    """A running local system. Build with :meth:`start`; supervise with :meth:`check`; stop with :meth:`stop`."""
 
     run_dir: Path
     env: dict[str, str]
@@ -55,10 +197,25 @@ class LocalSystem:
     scheduler_url: str
     sandbox_url: str
     services: dict[str, ServiceProcess] = field(default_factory=dict)
-    max_restarts: int = 2
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
     metrics_ports: dict[str, int] = field(default_factory=dict)
     """The metrics port given to each of :data:`METRICS_PORT_SERVICES` (``FLYWHEEL_TELEMETRY__METRICS_PORT``),
     kept over restarts."""
+    token: str | None = None
+    """The system's bearer token (``<run dir>/auth_token``), for callers of the mutating routes."""
+    judge_key_env: str = DEFAULT_JUDGE_KEY_ENV
+    """The variable the verifier (only) gets besides the allowlist: the judge's API key."""
+    partitions: int = KafkaConfig().partitions
+    """``kafka.partitions``: used to re-create the topics after a broker restart."""
+    events: list[SupervisorEvent] = field(default_factory=list)
+    """Every death seen, in order (:class:`SupervisorEvent`)."""
+    broker_crashes: collections.deque = field(default_factory=collections.deque)
+    broker_died_at: float | None = None
+    """Monotonic time of the last broker death (``None``: never)."""
+    commands: dict[str, list[str]] = field(default_factory=dict)
+    """A command line per service name instead of ``python -m <name>_service`` (tests supervise small real
+    programs this way)."""
+    _notify: dict | None = None
 
     @property
     def metrics_urls(self) -> dict[str, str]:
@@ -69,31 +226,39 @@ class LocalSystem:
 
     @classmethod
     def start(cls, config_path: str | os.PathLike, run_dir: str | os.PathLike, overrides: dict[str, str] | None = None,
-              bootstrap_servers: str | None = None, timeout_s: float = 180.0) -> "LocalSystem":
+              bootstrap_servers: str | None = None, timeout_s: float = 180.0,
+              policy: RestartPolicy | None = None) -> "LocalSystem":
         """Start the broker (unless ``bootstrap_servers`` is given) and every service; wait until healthy.
 
         Args:
             config_path: the system's YAML file.
-            run_dir: logs, registry and checkpoints go here.
+            run_dir: logs, registry and checkpoints go here (created 0700).
             overrides: extra environment variables (``FLYWHEEL_<SECTION>__<FIELD>`` names).
             timeout_s: how long to wait for the HTTP services to answer ``/healthz``.
+            policy: restarts (:class:`RestartPolicy`; default: its defaults).
 
         Raises:
             RuntimeError: a service died during start-up (its log tail is in the message).
             TimeoutError: a service did not become healthy in time.
+            shared.auth.TokenError: the token file cannot be written.
         """
         run_dir = Path(run_dir).resolve()
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        run_dir.chmod(0o700)
+        (run_dir / "logs").mkdir(exist_ok=True, mode=0o700)
+        token_file = run_dir / "auth_token"
+        env = allowed_env(os.environ)
+        env.update(overrides or {})
+        token = env.get("FLYWHEEL_AUTH__TOKEN") or ensure_token_file(token_file)
         broker = None
         if bootstrap_servers is None:
-            broker = EmbeddedBroker.start(log_path=run_dir / "logs" / "broker.log")
+            broker = EmbeddedBroker.start(log_path=run_dir / "logs" / "broker.log", env=broker_env(os.environ))
             bootstrap_servers = broker.bootstrap_servers
         sandbox_port, scheduler_port, broadcast_port = free_port(), free_port(), free_port()
-        env = dict(os.environ)
-        env.update(overrides or {})
         env.update({  # what this system instance decides wins over the overrides
             "FLYWHEEL_CONFIG": str(Path(config_path).resolve()),
             "FLYWHEEL_RUN__DIR": str(run_dir),
+            "FLYWHEEL_AUTH__TOKEN_FILE": str(token_file),
             "FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS": bootstrap_servers,
             "FLYWHEEL_SANDBOX__PORT": str(sandbox_port),
             "FLYWHEEL_WEIGHTS__BROADCAST_PORT": str(broadcast_port),
@@ -105,7 +270,9 @@ class LocalSystem:
             "TOKENIZERS_PARALLELISM": "false",
         })
         system = cls(run_dir, env, broker, f"http://127.0.0.1:{scheduler_port}", f"http://127.0.0.1:{sandbox_port}",
-                     metrics_ports={n: free_port() for n in METRICS_PORT_SERVICES})
+                     policy=policy or RestartPolicy(), metrics_ports={n: free_port() for n in METRICS_PORT_SERVICES},
+                     token=token, judge_key_env=judge_key_env(config_path, env),
+                     partitions=_kafka_partitions(config_path, env))
         try:
             for name in SERVICES:
                 system._spawn(name)
@@ -117,18 +284,35 @@ class LocalSystem:
         return system
 
     # ------------------------------------------------------------------ processes
+    def service_env(self, name: str) -> dict[str, str]:
+        """The environment of service ``name``: the system's (already allowlisted) plus its metrics port and,
+        for the verifier, the judge's API key from the supervisor's own environment."""
+        env = dict(self.env)
+        if name in self.metrics_ports:  # the same port on every restart: a scraper keeps its target
+            env["FLYWHEEL_TELEMETRY__METRICS_PORT"] = str(self.metrics_ports[name])
+        if name == "verifier" and self.judge_key_env in os.environ and self.judge_key_env not in env:
+            env[self.judge_key_env] = os.environ[self.judge_key_env]
+        elif name != "verifier" and self.judge_key_env in env and not self.judge_key_env.startswith("FLYWHEEL_"):
+            env.pop(self.judge_key_env)  # an allowlisted name that is the key: the verifier's alone
+        return env
+
     def _spawn(self, name: str) -> None:
         log_path = self.run_dir / "logs" / f"{name}.out"
-        out = open(log_path, "ab")
-        env = self.env
-        if name in self.metrics_ports:  # the same port on every restart: a scraper keeps its target
-            env = {**env, "FLYWHEEL_TELEMETRY__METRICS_PORT": str(self.metrics_ports[name])}
-        proc = subprocess.Popen([sys.executable, "-m", f"{name}_service"], env=env, stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                cwd=self.run_dir)
-        out.close()
+        out = open_private_log(log_path)
+        try:
+            cmd = self.commands.get(name) or [sys.executable, "-m", f"{name}_service"]
+            proc = subprocess.Popen(cmd, env=self.service_env(name), stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                    cwd=self.run_dir, umask=SERVICE_UMASK.get(name, DEFAULT_UMASK))
+        finally:
+            out.close()
         prev = self.services.get(name)
-        self.services[name] = ServiceProcess(name, proc, log_path, prev.restarts if prev else 0)
+        sp = ServiceProcess(name, proc, log_path)
+        if prev is not None:
+            sp.restarts, sp.crashes, sp.streak = prev.restarts, prev.crashes, prev.streak
+            if prev.event is not None:
+                prev.event.new_pid = proc.pid
+        self.services[name] = sp
         log.info("started %s (pid %d)", name, proc.pid)
 
     def wait_healthy(self, timeout_s: float) -> None:
@@ -138,8 +322,8 @@ class LocalSystem:
         while pending:
             for sp in self.services.values():
                 if sp.process.poll() is not None:
-                    raise RuntimeError(f"{sp.name} exited with code {sp.process.returncode} during start-up:\n"
-                                       f"{sp.tail()}")
+                    raise RuntimeError(f"{sp.name} (pid {sp.process.pid}) died during start-up "
+                                       f"({exit_reason(sp.process.returncode)}):\n{sp.tail()}")
             for url in list(pending):
                 try:
                     if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
@@ -151,32 +335,143 @@ class LocalSystem:
             time.sleep(0.3)
 
     def check(self) -> list[str]:
-        """Supervise once: restart each dead service (bounded). Returns messages about what happened.
+        """Supervise once, without waiting: the broker first, then each service; due respawns; the
+        scheduler's broker-restart notice. Returns messages about what happened.
 
         Raises:
-            RuntimeError: a service died more than ``max_restarts`` times.
+            RuntimeError: a process died more than ``policy.max_restarts`` times within ``policy.window_s``
+                (or the broker could not be restarted); the message names it and why.
         """
-        notes = []
-        for name, sp in list(self.services.items()):
-            code = sp.process.poll()
-            if code is None:
-                continue
-            msg = f"service {name} (pid {sp.process.pid}) exited with code {code}; last log lines:\n{sp.tail()}"
-            if sp.restarts >= self.max_restarts:
-                raise RuntimeError(msg + f"\n{name} died {sp.restarts + 1} times: stopping the system")
-            sp.restarts += 1
-            notes.append(msg + f"\nrestarting {name} ({sp.restarts}/{self.max_restarts})")
-            self._spawn(name)
+        notes: list[str] = []
+        if self.broker is not None and self.broker.process.poll() is not None:
+            notes += self._restart_broker()
+        now = time.monotonic()
+        for sp in self.services.values():
+            if sp.restart_at is None and sp.process.poll() is not None:
+                notes.append(self._on_death(sp, now))
+        for name, sp in list(self.services.items()):  # respawns that are due, in start order
+            if sp.restart_at is not None and time.monotonic() >= sp.restart_at:
+                self._spawn(name)
+                notes.append(f"restarted {name} (pid {self.services[name].process.pid})")
+        notes += self._notify_scheduler()
         if notes:
             self.write_state()
         return notes
 
+    def _window(self, crashes: collections.deque, now: float) -> int:
+        """Drop deaths older than the window; the number left."""
+        while crashes and now - crashes[0] > self.policy.window_s:
+            crashes.popleft()
+        return len(crashes)
+
+    def _on_death(self, sp: ServiceProcess, now: float) -> str:
+        """Record the death of ``sp``, schedule its respawn (or raise when over the limit); the message."""
+        p = self.policy
+        pid, reason = sp.process.pid, exit_reason(sp.process.returncode)
+        broker_fault = self.broker_died_at is not None and now - self.broker_died_at <= p.broker_grace_s
+        if broker_fault:
+            when = ("the broker was down at the time" if now - self.broker_died_at < 1.0 else
+                    f"the broker had died {now - self.broker_died_at:.0f} s before")
+        else:
+            when = "the broker was up" if self.broker is not None else "external broker"
+        msg = f"service {sp.name} (pid {pid}) died: {reason}; {when}; last log lines:\n{sp.tail()}"
+        sp.event = SupervisorEvent(time.time(), sp.name, pid, reason, counted=not broker_fault)
+        self.events.append(sp.event)
+        if now - sp.started_at >= p.stable_s:
+            sp.streak = 0
+        if broker_fault:
+            delay, note = p.backoff_initial_s, "not counted (the broker's fault)"
+        else:
+            self._window(sp.crashes, now)
+            if len(sp.crashes) >= p.max_restarts:
+                raise RuntimeError(msg + f"\n{sp.name} died {len(sp.crashes) + 1} times within {p.window_s:.0f} s "
+                                         f"(limit {p.max_restarts} restarts): stopping the system")
+            sp.crashes.append(now)
+            sp.streak += 1
+            delay = p.backoff_s(sp.streak)
+            note = f"restart {len(sp.crashes)} of at most {p.max_restarts} within {p.window_s:.0f} s"
+        sp.restarts += 1
+        sp.restart_at = now + delay
+        return msg + f"\nrestarting {sp.name} in {delay:.1f} s ({note})"
+
+    def _restart_broker(self) -> list[str]:
+        """The broker died: report it, restart it on the same port, re-create the topics, and queue the
+        scheduler's notice. Raises RuntimeError over the restart limit or when it cannot start again."""
+        old, now, p = self.broker, time.monotonic(), self.policy
+        reason = exit_reason(old.process.returncode)
+        log_path = self.run_dir / "logs" / "broker.log"
+        msg = f"broker (pid {old.pid}) died: {reason}; last log lines:\n{_tail(log_path, 8)}"
+        self.broker_died_at = now
+        event = SupervisorEvent(time.time(), "broker", old.pid, reason, counted=True)
+        self.events.append(event)
+        if self._window(self.broker_crashes, now) >= p.max_restarts:
+            raise RuntimeError(msg + f"\nthe broker died {len(self.broker_crashes) + 1} times within "
+                                     f"{p.window_s:.0f} s (limit {p.max_restarts} restarts): stopping the system")
+        self.broker_crashes.append(now)
+        try:
+            self.broker = EmbeddedBroker.start(port=old.port, host=old.host, log_path=log_path,
+                                               env=broker_env(os.environ))
+        except (RuntimeError, TimeoutError, OSError) as e:
+            raise RuntimeError(msg + f"\nthe broker could not be restarted on {old.bootstrap_servers}: {e}") from e
+        event.new_pid = self.broker.pid
+        restarted_at = time.time()
+        notes = [msg + f"\nbroker restarted on {self.broker.bootstrap_servers} (pid {self.broker.pid}, empty: "
+                       f"memory storage) {time.monotonic() - now:.1f} s after its death was seen"]
+        err = self._create_topics()
+        if err:
+            notes.append(f"re-creating the topics failed (the scheduler will retry): {err}")
+        self._notify = {"restarted_at": restarted_at, "tries": 0, "next": 0.0}
+        return notes
+
+    def _create_topics(self, timeout_s: float = 15.0) -> str | None:
+        """Create every topic on the (new) broker before the services' clients auto-create them with the
+        broker's default partition count; returns an error message, or ``None``."""
+        from shared.kafka import ensure_topics  # aiokafka: imported only when needed
+
+        cfg = KafkaConfig(bootstrap_servers=self.broker.bootstrap_servers, partitions=self.partitions)
+        box: list[BaseException] = []
+
+        def go() -> None:
+            try:
+                asyncio.run(asyncio.wait_for(ensure_topics(cfg), timeout_s))
+            except BaseException as e:  # reported, never raised: the scheduler re-creates them too
+                box.append(e)
+
+        t = threading.Thread(target=go, name="flywheel-topics", daemon=True)  # check() may run inside a loop
+        t.start()
+        t.join(timeout_s + 5)
+        return repr(box[0]) if box else ("timed out" if t.is_alive() else None)
+
+    #: Tries of the scheduler's broker-restart notice, and the seconds between them.
+    NOTIFY_TRIES = 30
+    NOTIFY_EVERY_S = 2.0
+
+    def _notify_scheduler(self) -> list[str]:
+        """POST the pending broker-restart notice to the scheduler (one try per call, every
+        :attr:`NOTIFY_EVERY_S`, at most :attr:`NOTIFY_TRIES`)."""
+        n = self._notify
+        if n is None or time.monotonic() < n["next"]:
+            return []
+        n["tries"] += 1
+        try:
+            r = httpx.post(f"{self.scheduler_url}/v1/system/broker-restarted", json={"restarted_at": n["restarted_at"]},
+                           headers=auth_headers(self.token), timeout=5)
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            if n["tries"] >= self.NOTIFY_TRIES:
+                self._notify = None
+                return [f"could not tell the scheduler about the broker restart after {n['tries']} tries ({e!r}); "
+                        "it re-issues the lost groups when it notices the restart itself"]
+            n["next"] = time.monotonic() + self.NOTIFY_EVERY_S
+            return []
+        self._notify = None
+        body = r.json()
+        return [f"scheduler told of the broker restart: re-issued {body.get('reissued', '?')} in-flight groups"]
+
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM every service (reverse start order), then the broker; SIGKILL what lingers."""
-        for name in reversed(SERVICES):
-            sp = self.services.get(name)
-            if sp is not None:
-                stop_pid(sp.process, timeout_s)
+        for name in reversed(list(self.services)):
+            stop_pid(self.services[name].process, timeout_s)
         if self.broker is not None:
             self.broker.stop()
         state = self.run_dir / "flywheel.json"
@@ -184,7 +479,7 @@ class LocalSystem:
 
     # ------------------------------------------------------------------ state file
     def write_state(self) -> None:
-        """``<run dir>/flywheel.json``: pids and URLs, for ``flywheel status`` and ``flywheel down``."""
+        """``<run dir>/flywheel.json`` (mode 0600): pids and URLs, for ``flywheel status`` and ``flywheel down``."""
         state = {
             "supervisor_pid": os.getpid(), "run_dir": str(self.run_dir), "scheduler_url": self.scheduler_url,
             "sandbox_url": self.sandbox_url, "bootstrap_servers": self.env["FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS"],
@@ -192,7 +487,7 @@ class LocalSystem:
             "services": {n: sp.process.pid for n, sp in self.services.items()},
             "metrics_urls": self.metrics_urls,
         }
-        (self.run_dir / "flywheel.json").write_bytes(orjson.dumps(state, option=orjson.OPT_INDENT_2))
+        write_private(self.run_dir / "flywheel.json", orjson.dumps(state, option=orjson.OPT_INDENT_2))
 
 
 def overrides_to_env(pairs: list[str]) -> dict[str, str]:

@@ -10,6 +10,7 @@ the request's trace context), waits for every ack, and counts them in :class:`Ro
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,8 @@ from shared.telemetry import extract_context
 
 if TYPE_CHECKING:
     from rollout_service.metrics import RolloutMetrics
+
+log = logging.getLogger("rollout")
 
 
 @dataclass
@@ -101,6 +104,9 @@ class RolloutStats:
     """``time.perf_counter()`` when the service started taking requests (:meth:`start`)."""
     sink: RolloutMetrics | None = None
     """Prometheus families fed with every engine call, published sample and refused request (``None``: none)."""
+    unproducible: list[tuple[RolloutRequest, str]] = field(default_factory=list)
+    """Requests one of whose trajectories could not be produced, with the reason, since the service loop
+    last took them (it dead-letters their source records: :func:`publish`)."""
 
     def start(self) -> None:
         """Mark now as the start of ``rollout/wall_s``."""
@@ -176,11 +182,19 @@ async def publish(producer: AIOKafkaProducer, tokenizer, groups: list[Group], po
     ``queue`` timing), so it covers generation and publishing; attributes ``group_id``, ``domain``,
     ``purpose``, ``n``, ``policy_version`` (the engine's version now), ``queue_s`` and ``generate_s``.
 
+    A trajectory that can never be produced (over ``kafka.max_request_size``, checked before sending, or
+    refused by the broker: :data:`shared.kafka.PERMANENT_PRODUCE_ERRORS`) is replaced by its small
+    ``error`` stand-in (:func:`shared.kafka.unproducible_trajectory`: the verifier scores it as an
+    infrastructure error, the trainer drops the group as ``failed`` and the scheduler gets the slot back
+    at once), and its request is added to ``stats.unproducible`` for the service loop to dead-letter.
+
     Raises:
-        aiokafka.errors.KafkaError: a record was not acknowledged (nothing is committed then).
+        aiokafka.errors.KafkaError: a record was not acknowledged for a transient reason (nothing is
+            committed then).
     """
-    futures = []
+    pending: list[tuple[asyncio.Future, Trajectory, RolloutRequest]] = []
     tracer = trace.get_tracer("rollout")
+    limit = getattr(producer, "_max_request_size", None)
     for g in groups:
         r = g.request
         picked_ns = min(time.time_ns(), int((r.issued_at + g.timings.get("queue", 0.0)) * 1e9))
@@ -190,7 +204,39 @@ async def publish(producer: AIOKafkaProducer, tokenizer, groups: list[Group], po
         with tracer.start_as_current_span("rollout", context=extract_context(g.headers), attributes=attrs,
                                           start_time=picked_ns):
             for i, c in enumerate(g.completions):
-                futures.append(await kafka.send(producer, topics.TRAJECTORIES, make_trajectory(g, i, tokenizer),
-                                                r.group_id))
+                traj = make_trajectory(g, i, tokenizer)
+                size = kafka.record_size(traj.encode(), r.group_id)
+                if limit is not None and size > limit:
+                    reason = (f"unproducible: MessageSizeTooLargeError: trajectory {traj.trajectory_id} for "
+                              f"{topics.TRAJECTORIES} is {size} bytes, over kafka.max_request_size={limit}")
+                    traj = _unproducible(traj, reason, r, stats)
+                    if not _fits(producer, traj, r.group_id):  # a huge task: only the dead letter says it
+                        log.error("group %s: even the error stand-in of %s is too large; not sent", r.group_id,
+                                  traj.trajectory_id)
+                        continue
+                pending.append((await kafka.send(producer, topics.TRAJECTORIES, traj, r.group_id), traj, r))
                 stats.add(c, r)
-    await asyncio.gather(*futures)
+    retry = []
+    for fut, traj, r in pending:
+        try:
+            await fut
+        except kafka.PERMANENT_PRODUCE_ERRORS as e:
+            reason = (f"unproducible: {type(e).__name__}: trajectory {traj.trajectory_id} for {topics.TRAJECTORIES} "
+                      f"refused: {e}")[:2000]
+            stand_in = _unproducible(traj, reason, r, stats)
+            retry.append(await kafka.send(producer, topics.TRAJECTORIES, stand_in, r.group_id))
+    await asyncio.gather(*retry)
+
+
+def _unproducible(traj: Trajectory, reason: str, request: RolloutRequest, stats: RolloutStats) -> Trajectory:
+    """Log ``reason``, remember ``request`` for dead-lettering, and return ``traj``'s small stand-in."""
+    log.error("group %s: %s; sending an error trajectory in its place", request.group_id, reason)
+    if not any(req is request for req, _ in stats.unproducible):
+        stats.unproducible.append((request, reason))
+    return kafka.unproducible_trajectory(traj, reason)
+
+
+def _fits(producer: AIOKafkaProducer, traj: Trajectory, key: str) -> bool:
+    """Whether ``traj``'s record is within the producer's ``max_request_size``."""
+    limit = getattr(producer, "_max_request_size", None)
+    return limit is None or kafka.record_size(traj.encode(), key) <= limit

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from rollout_service.batching import take_batch
+from rollout_service.batching import Batch, take_batch
 from rollout_service.config import RolloutSettings
 from rollout_service.emit import RolloutStats
 from rollout_service.engine import Engine
@@ -111,12 +111,9 @@ class KafkaClients:
             await c.start()
 
     async def stop(self) -> None:
-        """Stop each client (10 s at most each); errors are logged, never raised."""
-        for c in (self.requests, self.weights, self.producer):
-            try:
-                await asyncio.wait_for(c.stop(), 10)
-            except Exception:  # noqa: BLE001 - best effort
-                log.exception("error closing %s", c)
+        """Stop each client (10 s at most each); errors are logged, never raised
+        (:func:`shared.kafka.stop_clients`)."""
+        await kafka.stop_clients(self.requests, self.weights, self.producer, timeout_s=10)
 
 
 async def _send_metrics(producer: AIOKafkaProducer, stats: RolloutStats, engine: Engine,
@@ -131,53 +128,125 @@ async def run(config: RolloutSettings, stop: asyncio.Event | None = None) -> Non
 
     Requests of a batch interrupted by ``stop`` are not committed: another replica (or this one after a
     restart) takes them.
+
+    A broker outage never ends the service: a :class:`shared.kafka.BrokerWatch` notices the broker go
+    away, the batch in progress is not committed (its requests were lost with an empty broker; the
+    scheduler re-issues them), and once the broker answers the Kafka clients are rebuilt (topics
+    re-created, the group re-joined, flywheel.weights read again from its start, the checkpoint store
+    re-read for the newest version) while the engine keeps its weights. A request whose trajectory cannot
+    be produced is dead-lettered (:func:`_dead_letter_unproducible`) and committed past.
     """
     stop, _ = kafka.prepare_service("rollout", config, stop)
     cfg = config.rollout
     engine, tok = await asyncio.to_thread(build_engine, config)
     intake = WeightIntake(config, engine)
-    await kafka.ensure_topics(config.kafka, service_topics(cfg.pool))
-    clients = KafkaClients.make(config.kafka, cfg.pool)
-    await clients.start()
-    intake.start(clients.weights, stop)
     prom = RolloutMetrics()
     prom.watch_engine(lambda: engine.policy_version)
     intake.on_load = prom.weight_load_seconds.observe
     stats = RolloutStats(sink=prom)
-    gen = BatchGenerator(engine, tok, clients.producer, ToolRunner(cfg.sandbox_url, cfg.tool_timeout_s), stats,
-                         config.model.system_prompt, cfg.max_trajectory_tokens)
-    last_metrics = time.monotonic()
-    stats.start()
-    log.info("serving rollout pool %r (%s, group %s)", cfg.pool, topics.rollout_requests(cfg.pool),
-             request_group(cfg.pool))
+    tools = ToolRunner(cfg.sandbox_url, cfg.tool_timeout_s)
+    watch = kafka.BrokerWatch(config.kafka, "rollout")
     metrics_server = serve_metrics(config.telemetry, prom.registry)
+    started = False
     try:
+        attempt = 0
         while not stop.is_set():
-            batch = await take_batch(clients.requests, clients.producer, cfg.max_batch_requests, cfg.max_batch_samples)
-            if dead := sum(map(len, batch.records.values())) - len(batch.requests):  # dead-lettered by take_batch
-                prom.dlq.labels(topics.rollout_requests(cfg.pool)).inc(dead)
-                prom.requests_dropped.labels("malformed").inc(dead)
-            await intake.apply_newest()
-            if batch.requests:
-                await intake.wait_for(batch.min_policy_version, stop)
-                if stop.is_set():
-                    prom.requests_dropped.labels("interrupted").inc(len(batch.requests))
-                    break  # uncommitted
-                if (lag := intake.first_generation_lag()) is not None:  # announced → first token with it
-                    stats.publish_to_first_token_s = lag
-                t0 = time.perf_counter()
-                await gen.run(batch)
-                prom.batch_seconds.observe(time.perf_counter() - t0)
-            await kafka.commit_batch(clients.requests, batch.records)
-            if time.monotonic() - last_metrics > METRICS_EVERY_S and stats.samples:
-                await _send_metrics(clients.producer, stats, engine, intake)
-                last_metrics = time.monotonic()
+            if not await watch.wait_up(stop):
+                break
+            clients = None
+            try:
+                epoch = watch.epoch
+                await kafka.ensure_topics(config.kafka, service_topics(cfg.pool))
+                clients = KafkaClients.make(config.kafka, cfg.pool)
+                await clients.start()
+                if not started:
+                    intake.start(clients.weights, stop)
+                    stats.start()
+                    started = True
+                else:
+                    intake.follow(clients.weights, stop)
+                gen = BatchGenerator(engine, tok, clients.producer, tools, stats, config.model.system_prompt,
+                                     cfg.max_trajectory_tokens)
+                log.info("%s rollout pool %r (%s, group %s)", "resumed" if epoch else "serving", cfg.pool,
+                         topics.rollout_requests(cfg.pool), request_group(cfg.pool))
+                attempt = 0
+                await _serve(config, watch, epoch, clients, intake, gen, stats, prom, engine, stop)
+            except (kafka.BrokerLost, *kafka.BROKER_ERRORS) as e:
+                log.warning("broker unreachable, retrying (%r); the batch in progress is not committed", e)
+                await kafka.reconnect_pause(config.kafka, attempt, stop)
+                attempt += 1
+            finally:
+                await intake.stop_following()
+                if clients is not None:
+                    await clients.stop()
     finally:
         stop.set()
         flush_tracing()
         if metrics_server is not None:
             metrics_server.close()
+        await watch.close()
         await intake.close()
-        await gen.tools.close()
-        await clients.stop()
+        await tools.close()
         engine.close()
+
+
+async def _serve(config: RolloutSettings, watch: kafka.BrokerWatch, epoch: int, clients: KafkaClients,
+                 intake: WeightIntake, gen: BatchGenerator, stats: RolloutStats, prom: RolloutMetrics,
+                 engine: Engine, stop: asyncio.Event) -> None:
+    """The rollout loop on one set of Kafka clients, until ``stop``.
+
+    Raises:
+        shared.kafka.BrokerLost: the broker went away (checked before each batch and before each commit).
+        aiokafka.errors.KafkaError: a broker error (:data:`shared.kafka.BROKER_ERRORS`).
+    """
+    cfg = config.rollout
+    last_metrics = time.monotonic()
+    while not stop.is_set():
+        watch.check(epoch)
+        batch = await take_batch(clients.requests, clients.producer, cfg.max_batch_requests, cfg.max_batch_samples)
+        if dead := sum(map(len, batch.records.values())) - len(batch.requests):  # dead-lettered by take_batch
+            prom.dlq.labels(topics.rollout_requests(cfg.pool)).inc(dead)
+            prom.requests_dropped.labels("malformed").inc(dead)
+        await intake.apply_newest()
+        if batch.requests:
+            await intake.wait_for(batch.min_policy_version, stop)
+            if stop.is_set():
+                prom.requests_dropped.labels("interrupted").inc(len(batch.requests))
+                break  # uncommitted
+            if (lag := intake.first_generation_lag()) is not None:  # announced → first token with it
+                stats.publish_to_first_token_s = lag
+            t0 = time.perf_counter()
+            stats.unproducible.clear()
+            await gen.run(batch)
+            prom.batch_seconds.observe(time.perf_counter() - t0)
+            await _dead_letter_unproducible(clients.producer, batch, stats, prom, cfg.pool)
+        watch.check(epoch)  # never commit offsets of a broker that went away meanwhile
+        await watch.guard(kafka.commit_batch(clients.requests, batch.records), epoch)
+        if time.monotonic() - last_metrics > METRICS_EVERY_S and stats.samples:
+            await _send_metrics(clients.producer, stats, engine, intake)
+            last_metrics = time.monotonic()
+
+
+async def _dead_letter_unproducible(producer: AIOKafkaProducer, batch: Batch, stats: RolloutStats,
+                                    prom: RolloutMetrics, pool: str) -> None:
+    """Dead-letter the request record of every request in ``stats.unproducible`` (one of its trajectories
+    could not be produced; :func:`rollout_service.emit.publish` sent error stand-ins instead) with the
+    reason, and count it (``flywheel_rollout_dlq_records_total``, requests dropped ``unproducible``); the
+    batch is then committed as usual.
+
+    Raises:
+        aiokafka.errors.KafkaError: a dead letter was not acknowledged (nothing is committed).
+    """
+    for request, reason in stats.unproducible:
+        msg = next((m for part in batch.records.values() for m in part
+                    if m.key == request.group_id.encode() and request.group_id.encode() in (m.value or b"")), None)
+        if msg is None:  # not keyed by group id: the first record whose value names the group
+            msg = next((m for part in batch.records.values() for m in part
+                        if request.group_id.encode() in (m.value or b"")), None)
+        if msg is None:
+            log.error("group %s: no source record found to dead-letter (%s)", request.group_id, reason)
+            continue
+        await kafka.dead_letter(producer, msg, "rollout", reason)
+        prom.dlq.labels(topics.rollout_requests(pool)).inc()
+        prom.requests_dropped.labels("unproducible").inc()
+    stats.unproducible.clear()

@@ -44,7 +44,9 @@ class RolloutMetrics(ServiceMetrics):
         self.requests_dropped = Counter(
             "flywheel_rollout_requests_dropped", "Requests not generated: malformed (dead-lettered), "
             "context_overflow (prompt + max_new_tokens over the context; answered with error samples), "
-            "interrupted (batch stopped by shutdown, left uncommitted for a redelivery).", ["reason"], registry=r)
+            "interrupted (batch stopped by shutdown, left uncommitted for a redelivery), unproducible (a "
+            "trajectory over the producer's record limit or refused by the broker: the request is dead-lettered "
+            "and error trajectories stand in).", ["reason"], registry=r)
         self.dlq = Counter("flywheel_rollout_dlq_records", "Records sent to flywheel.dlq, by source topic.",
                            ["topic"], registry=r)
 

@@ -29,6 +29,8 @@ import httpx
 from opentelemetry import propagate
 
 from rollout_service.engine import Engine, EngineGate, GenerationRequest
+from shared.auth import token_from_run_dir
+from shared.client import SANDBOX_RETRY_S, AsyncApiClient, RetryPolicy, Token
 from shared.schemas import SamplingParams, Task, VersionSpan
 from shared.text import extract_code
 from shared.tools import ToolCall, parse_tool_calls
@@ -64,11 +66,26 @@ def _clip_middle(text: str, n: int = OBSERVATION_CHARS) -> str:
 
 
 class ToolRunner:
-    """Executes tool calls in the sandbox service over HTTP (bounded by ``timeout_s`` per call)."""
+    """Executes tool calls in the sandbox service over HTTP, with the system's bearer token.
 
-    def __init__(self, sandbox_url: str, timeout_s: float = 10.0) -> None:
-        self.http = httpx.AsyncClient(base_url=sandbox_url.rstrip("/"))
+    One call is bounded by ``timeout_s + 30`` seconds in all; a refused connection (the sandbox restarting)
+    and HTTP 503 (it admits no execution now) are retried with backoff for up to ``SANDBOX_RETRY_S``
+    (``shared.client``); a timeout after the request was sent is not (the program would run twice).
+
+    Args:
+        sandbox_url: the sandbox's base URL.
+        timeout_s: the program's time limit in the sandbox (seconds).
+        token: the token, or a function returning it; None: ``$FLYWHEEL_AUTH__TOKEN``, else the file
+            ``$FLYWHEEL_AUTH__TOKEN_FILE`` (the launcher sets it; relative to the working directory, the run
+            dir), read at each call until found.
+    """
+
+    def __init__(self, sandbox_url: str, timeout_s: float = 10.0, token: Token = None) -> None:
         self.timeout_s = timeout_s
+        self.http = AsyncApiClient(sandbox_url, token if token is not None else (lambda: token_from_run_dir(None)),
+                                   timeout=httpx.Timeout(timeout_s + 30.0, connect=5.0),
+                                   retry=RetryPolicy(deadline_s=timeout_s + 30.0, retry_for_s=SANDBOX_RETRY_S,
+                                                     max_backoff_s=2.0))
 
     async def run(self, name: str | None, arguments: dict[str, Any], task: Task, error: str | None) -> str:
         """The observation text for one call (an error message for a malformed or unknown call, or when
@@ -93,10 +110,9 @@ class ToolRunner:
         try:
             headers: dict[str, str] = {}
             propagate.inject(headers)  # the W3C trace context: the sandbox's span joins the group's trace
-            r = await self.http.post("/v1/execute", json=body, headers=headers, timeout=self.timeout_s + 30)
-            r.raise_for_status()
+            r = await self.http.request("POST", "/v1/execute", json=body, headers=headers)
             out = r.json()
-        except (httpx.HTTPError, ValueError) as e:
+        except (httpx.HTTPError, ValueError) as e:  # shared.client's errors are httpx errors too
             return f"error: the sandbox could not run it ({type(e).__name__})"
         if name == "run_tests":
             tests = out.get("tests") or []

@@ -35,6 +35,7 @@ import httpx
 from rollout_service.config import RolloutSettings
 from rollout_service.engine import Engine
 from shared.checkpoint import CheckpointStore
+from shared.kafka import BROKER_ERRORS
 from shared.schemas import DecodeError, WeightUpdate, decode
 
 log = logging.getLogger("rollout")
@@ -79,9 +80,16 @@ class WeightWatcher:
 
     async def follow(self, consumer, stop: asyncio.Event) -> None:
         """Read every weight record (no group, all partitions, from earliest) until ``stop``; malformed
-        records are logged and skipped."""
+        records are logged and skipped. A broker error (:data:`shared.kafka.BROKER_ERRORS`) is logged and
+        the read retried a second later (the service rebuilds ``consumer`` after an outage); before this the
+        task died of it silently and the replica never saw another version."""
         while not stop.is_set():
-            batch = await consumer.getmany(timeout_ms=200)
+            try:
+                batch = await consumer.getmany(timeout_ms=200)
+            except BROKER_ERRORS as e:
+                log.warning("reading flywheel.weights failed (%r); retrying", e)
+                await asyncio.sleep(1.0)
+                continue
             for msgs in batch.values():
                 for msg in msgs:
                     try:
@@ -241,10 +249,12 @@ class WeightIntake:
         self.config, self.engine = config, engine
         store_root = config.run.path(config.run.checkpoint_dir)
         self.watcher = WeightWatcher(store_root)
-        self.watcher.offer(CheckpointStore(store_root).newest_published())
+        self.store = CheckpointStore(store_root)
+        self.reseed()
         self.follower = (BroadcastFollower(config, engine, self.watcher)
                          if config.weights.transport == "distributed" else None)
         self._tasks: list[asyncio.Task] = []
+        self._follow: asyncio.Task | None = None
         self._first_token_version = engine.policy_version
         self.on_load: Callable[[float], None] | None = None
         """Called with the seconds of every :meth:`apply_newest` that changed the engine's version."""
@@ -258,7 +268,7 @@ class WeightIntake:
         """Start following flywheel.weights on ``weights_consumer`` (started, no group), the broadcast
         sessions and the interrupter, each until ``stop``."""
         policy = self.config.rollout.weight_update_policy
-        self._tasks.append(asyncio.create_task(self.watcher.follow(weights_consumer, stop)))
+        self.follow(weights_consumer, stop)
         if self.follower is not None:
             self._tasks.append(asyncio.create_task(self.follower.run(stop)))
             if self.engine.receives_in_server and policy == "finish":
@@ -267,6 +277,34 @@ class WeightIntake:
                             "spans tagged)")
         if policy == "interrupt":
             self._tasks.append(asyncio.create_task(self._interrupt_on_new_weights(stop)))
+
+    def reseed(self) -> None:
+        """Offer the checkpoint store's newest published version to the watcher (the trainer writes it there
+        before announcing it). A broker that lost flywheel.weights (an empty broker after a restart) never
+        replays the announcements, so this is how a replica started, or reconnected, after that still
+        finds the newest version. Never raises: an unreadable store is logged."""
+        try:
+            self.watcher.offer(self.store.newest_published())
+        except (OSError, ValueError) as e:
+            log.warning("cannot read the checkpoint store %s: %s", self.store.root, e)
+
+    def follow(self, weights_consumer, stop: asyncio.Event) -> None:
+        """(Re)start following flywheel.weights on ``weights_consumer`` (started, no group, from the earliest
+        offset), replacing the consumer followed so far (the service rebuilds its clients after a broker
+        outage), and :meth:`reseed` from the checkpoint store."""
+        if self._follow is not None:
+            self._follow.cancel()
+        self.reseed()
+        self._follow = asyncio.create_task(self.watcher.follow(weights_consumer, stop))
+        self._tasks.append(self._follow)
+
+    async def stop_following(self) -> None:
+        """Stop reading flywheel.weights (before its consumer is closed); the watcher keeps what it knows."""
+        if self._follow is not None:
+            self._follow.cancel()
+            await asyncio.gather(self._follow, return_exceptions=True)
+            self._tasks.remove(self._follow)
+            self._follow = None
 
     async def apply_newest(self) -> None:
         """:func:`apply_newest` with this run's watcher and follower (timed for :attr:`on_load`)."""
@@ -277,14 +315,15 @@ class WeightIntake:
 
     async def wait_for(self, version: int, stop: asyncio.Event) -> None:
         """Until the engine holds ``version`` (or ``stop``): wait for a new announcement (at most
-        ``10 * rollout.weight_poll_s`` seconds at a time), then :meth:`apply_newest`."""
+        ``10 * rollout.weight_poll_s`` seconds at a time; after each such wait the checkpoint store is read
+        too, :meth:`reseed`, in case the announcement was lost with the broker), then :meth:`apply_newest`."""
         while self.engine.policy_version < version and not stop.is_set():
             log.info("waiting for policy version %d (have %d)", version, self.engine.policy_version)
             self.watcher.changed.clear()
             try:
                 await asyncio.wait_for(self.watcher.changed.wait(), self.config.rollout.weight_poll_s * 10)
             except asyncio.TimeoutError:
-                pass
+                self.reseed()
             await self.apply_newest()
 
     async def _interrupt_on_new_weights(self, stop: asyncio.Event) -> None:

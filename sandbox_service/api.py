@@ -3,7 +3,9 @@
 - ``POST /v1/execute``: body :class:`~sandbox_service.schemas.ExecuteRequest`, answer
   :class:`~sandbox_service.schemas.ExecuteResult` with HTTP 200 for every run, including runs whose
   environment failed on every attempt (status ``infra_error``). HTTP 422: the body is invalid (the
-  detail names the field). HTTP 413: the body is larger than ``max_request_bytes``. HTTP 503: the
+  detail names the field). HTTP 400: the body is not JSON (invalid UTF-8 or JSON, nested too deep; the
+  detail says where). HTTP 401: the bearer token is missing or wrong (``shared.auth``; when the app has
+  one). HTTP 413: the body is larger than ``max_request_bytes``. HTTP 503: the
   service cannot take work now (queue full, circuit breaker
   open, shutting down); retry later. Callers must treat ``infra_error`` and 503 as infrastructure
   failures, never as a wrong answer.
@@ -32,34 +34,12 @@ from sandbox_service.config import SandboxConfig
 from sandbox_service.isolation import Capabilities, probe
 from sandbox_service.pool import Overloaded, Pool
 from sandbox_service.schemas import ExecuteRequest, ExecuteResult
-from shared.http import install_validation_handler
+from shared.auth import AUTH, AUTH_RESPONSES
+from shared.http import BodyLimit, CheckedRoute, install_validation_handler
 from shared.metrics import render
 from shared.telemetry import HTTP_TELEMETRY, setup_tracing
 
 log = logging.getLogger("sandbox.api")
-
-
-class BodyLimit:
-    """Pure ASGI middleware: HTTP 413 for a body declared larger than ``max_bytes`` and 411 for a POST
-    without Content-Length, before any of the body is read. (Starlette's ``BaseHTTPMiddleware`` would
-    cost a task group per request, a measurable share of a sandbox execution.)"""
-
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            length = dict(scope["headers"]).get(b"content-length")
-            problem = None
-            if length is None:
-                if scope["method"] == "POST":
-                    problem = (411, "a Content-Length header is required")
-            elif not length.isdigit() or int(length) > self.max_bytes:
-                problem = (413, f"request body larger than {self.max_bytes} bytes")
-            if problem is not None:
-                await JSONResponse({"detail": problem[1]}, status_code=problem[0])(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def check_isolation(config: SandboxConfig, caps: Capabilities) -> list[str]:
@@ -82,12 +62,15 @@ def check_isolation(config: SandboxConfig, caps: Capabilities) -> list[str]:
     return sorted(missing)
 
 
-def create_app(config: SandboxConfig, caps: Capabilities | None = None) -> FastAPI:
+def create_app(config: SandboxConfig, caps: Capabilities | None = None, auth_token: str | None = None) -> FastAPI:
     """Build the sandbox app; the isolation probe and the worker pool start in its lifespan.
 
     Args:
         config: service settings.
         caps: a probe result to use instead of probing (tests).
+        auth_token: the bearer token ``POST /v1/execute`` requires (HTTP 401 without it;
+            ``sandbox_service.main`` passes ``shared.auth.server_token(settings.auth, settings.run)``);
+            ``None``: no check (in-process tests).
 
     Raises:
         RuntimeError: at start-up, when isolation is incomplete and not allowed to be
@@ -112,6 +95,8 @@ def create_app(config: SandboxConfig, caps: Capabilities | None = None) -> FastA
             await pool.close()
 
     app = FastAPI(title="Flywheel sandbox", lifespan=lifespan, telemetry=HTTP_TELEMETRY)
+    app.router.route_class = CheckedRoute
+    app.state.auth_token = auth_token
     install_validation_handler(app)
 
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
@@ -127,7 +112,11 @@ def create_app(config: SandboxConfig, caps: Capabilities | None = None) -> FastA
         body, content_type = render(app.state.pool.metrics.registry, request.headers.get("accept"))
         return Response(body, media_type=content_type)
 
-    @app.post("/v1/execute", response_model=ExecuteResult, responses={200: {"model": ExecuteResult}})
+    @app.post("/v1/execute", response_model=ExecuteResult, dependencies=AUTH,
+              responses={200: {"model": ExecuteResult}, **AUTH_RESPONSES,
+                         400: {"description": "The body is not JSON (invalid UTF-8 or JSON, nested too deep)."},
+                         413: {"description": "The body is larger than sandbox.max_request_bytes."},
+                         503: {"description": "Queue full, circuit breaker open or shutting down: retry later."}})
     async def execute(req: ExecuteRequest, request: Request) -> Response:
         pool: Pool = app.state.pool
         try:

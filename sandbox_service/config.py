@@ -23,7 +23,8 @@ class SandboxConfig(BaseModel):
     About 2 per core: a run spends part of its time in the kernel and in the service, so two per core
     keep the CPUs busy (154 vs 138-142 executions/s with 2 workers on 2 cores)."""
     max_request_bytes: int = Field(64 * 1024 * 1024, ge=1024, le=1024**3)
-    """Largest request body accepted (bytes); larger ones get HTTP 413 before they are read."""
+    """Largest request body accepted (bytes); larger ones get HTTP 413 before they are read (a body sent
+    without ``Content-Length`` is counted while received and refused once past it: ``shared.http.BodyLimit``)."""
     max_queued: int = Field(256, ge=0, le=100_000)
     """Executions that may wait for a free slot; a request beyond this gets HTTP 503 at once."""
     default_timeout_s: float = Field(5.0, gt=0, le=300)

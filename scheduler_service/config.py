@@ -1,14 +1,25 @@
 """Configuration of the scheduler service (section ``scheduler``)."""
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.config import BudgetConfig, Settings, moved_keys
+from shared.jsoncheck import check_json, check_size
 from shared.topics import DEFAULT_POOL, POOL_PATTERN
 
 DOMAIN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 """What a configured domain name may be (it is a path segment of ``/v1/domains/{domain}``)."""
+MAX_INT = 2**53
+"""Bound of every integer the API takes: exact in a JSON number read by JavaScript (the dashboard) and
+well inside orjson's 64 bits (a larger one was a 500, issue 19)."""
+MAX_PARAMS_BYTES = 1024 * 1024
+"""Largest generator ``params`` of a domain or level (bytes of compact JSON)."""
+Difficulty = Annotated[float, Field(ge=-1e9, le=1e9, allow_inf_nan=False)]
+
+
+def _check_params(v: dict[str, Any]) -> dict[str, Any]:
+    return check_size(check_json(v), MAX_PARAMS_BYTES, "params")
 
 
 class LevelConfig(BaseModel):
@@ -17,10 +28,10 @@ class LevelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str | None = Field(None, max_length=128)
     """A label for reports (default ``L<i>``)."""
-    params: dict[str, Any] = Field(default_factory=dict)
+    params: Annotated[dict[str, Any], AfterValidator(_check_params)] = Field(default_factory=dict)
     """Generator domains: keyword arguments of the generator at this level, merged key by key (nested
     mappings too) over the domain's ``params`` (e.g. ``{config: {max_digits: 3}}``)."""
-    difficulty: tuple[float, float] | None = None
+    difficulty: tuple[Difficulty, Difficulty] | None = None
     """Fixed-data domains: this level issues the tasks whose ``difficulty`` is in ``[lo, hi]``."""
 
     @model_validator(mode="after")
@@ -76,13 +87,13 @@ class DomainBudget(BaseModel):
     groups in flight are expected to cost) the domain's training groups stop; evaluation goes on."""
 
     model_config = ConfigDict(extra="forbid")
-    samples: int | None = Field(None, ge=0)
+    samples: int | None = Field(None, ge=0, le=MAX_INT)
     """Training trajectories."""
-    generated_tokens: int | None = Field(None, ge=0)
-    tool_rounds: int | None = Field(None, ge=0)
-    sandbox_seconds: float | None = Field(None, ge=0, allow_inf_nan=False)
+    generated_tokens: int | None = Field(None, ge=0, le=MAX_INT)
+    tool_rounds: int | None = Field(None, ge=0, le=MAX_INT)
+    sandbox_seconds: float | None = Field(None, ge=0, le=1e15, allow_inf_nan=False)
     """Sandbox seconds of the tool loop and of the unit tests together."""
-    judge_calls: int | None = Field(None, ge=0)
+    judge_calls: int | None = Field(None, ge=0, le=MAX_INT)
 
 
 class LifecycleConfig(BaseModel):
@@ -229,19 +240,19 @@ class DomainConfig(BaseModel):
     """``paused``: no training groups (evaluation goes on); ``retired``: finished, as paused but for good."""
     levels: list[LevelConfig] | None = Field(None, min_length=1, max_length=64)
     """Difficulty levels, easiest first (``None``: one level holding every task)."""
-    level: int = Field(0, ge=0)
+    level: int = Field(0, ge=0, le=63)
     """The current level (index into ``levels``)."""
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
-    generator: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
+    generator: str | None = Field(None, max_length=256, pattern=r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
     """``module`` or ``module:function`` (default function ``make``): ``make(n, seed, split, **params)``
     returns task bodies. The scheduler calls it to make the training tasks of a level when the domain
     enters it (``tasks_per_level``) or runs out of live ones, and ``eval_size`` held-out tasks once."""
-    params: dict[str, Any] = Field(default_factory=dict)
+    params: Annotated[dict[str, Any], AfterValidator(_check_params)] = Field(default_factory=dict)
     """Generator keyword arguments common to every level."""
     tasks_per_level: int = Field(32, ge=1, le=100_000)
     eval_size: int = Field(0, ge=0, le=100_000)
     """Held-out tasks the generator makes at ``eval_level`` (generator domains only)."""
-    eval_level: int = Field(0, ge=0)
+    eval_level: int = Field(0, ge=0, le=63)
     samples_per_task: int | None = Field(None, ge=2, le=1024)
     """K of the domain's training groups (``None``: each task's own ``samples_per_task``)."""
     adaptive_samples: AdaptiveSamples | None = None
@@ -254,7 +265,7 @@ class DomainConfig(BaseModel):
     lifecycle: LifecycleConfig = Field(default_factory=LifecycleConfig)
     temperature: float | None = Field(None, ge=0.0, le=10.0)
     """Sampling temperature of this domain's training groups (``None``: ``scheduler.temperature``)."""
-    monitor: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    monitor: dict[str, dict[str, Any]] = Field(default_factory=dict, max_length=64)
     """Threshold overrides of the drift monitor for this domain, per signal (over ``monitor.signals``)."""
 
     @field_validator("monitor")
@@ -297,6 +308,20 @@ class SchedulerConfig(BaseModel):
     """Interface the REST API binds to."""
     port: int = Field(8000, ge=0, le=65535)
     """TCP port of the REST API."""
+    max_body_bytes: int = Field(64 * 1024 * 1024, ge=64 * 1024, le=1024**3)
+    """Largest request body accepted (bytes); a larger one gets HTTP 413 before it is read (a body sent
+    without ``Content-Length`` is refused as soon as it passes this). 64 MiB: four tasks of the largest size
+    the broker's default 16 MiB record limit allows, or a full batch of 10,000 tasks of 6 KiB each (a
+    typical task is 0.3-2 KiB); a 256 MB body used to be parsed whole (1.8 GB peak)."""
+    validation_budget_s: float = Field(30.0, gt=0, le=600)
+    """Seconds a ``POST /v1/tasks`` batch may spend in validation (in a worker thread, off the event
+    loop); a batch still unvalidated then is refused with 413 (send smaller batches). Each pattern and
+    gold is bounded in size, so one task costs at most ~0.1 s."""
+    context_tokens: int | None = Field(None, ge=16, le=10_000_000)
+    """The policy's context window in tokens, against which each prompt plus its ``max_new_tokens`` is
+    checked at submission (422 naming the task). ``None``: ``max_position_embeddings`` of the model's
+    ``config.json`` when the model directory exists (``model.name`` a directory, or SmolLM2 once cached:
+    8192), else no check."""
     database_url: str = "sqlite:///flywheel-registry.db"
     """Task registry. ``sqlite:///PATH`` (relative paths are under the run directory)."""
     group_deadline_s: float = Field(600.0, gt=0)

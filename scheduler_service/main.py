@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import uvicorn
 
 from scheduler_service.api import create_app
@@ -18,6 +20,7 @@ async def run(config: SchedulerSettings) -> None:
         ValueError: ``scheduler.database_url`` is not a ``sqlite:///`` URL.
         aiokafka.errors.KafkaError: the broker cannot be reached at start-up.
     """
+    os.umask(0o077)  # the registry, logs and token file are private, also where no launcher set it (compose)
     log = setup_logging("scheduler", config.run.log_level, config.run.path("logs"))
     setup_tracing("scheduler", config.telemetry, config.run)
     registry = Registry.from_url(config.scheduler.database_url, config.run)

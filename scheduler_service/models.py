@@ -7,7 +7,7 @@ record, so a task the API accepts is a valid Task record.
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -34,9 +34,10 @@ class TaskCreate(TaskBody):
 
 
 class TaskBatchCreate(BaseModel):
-    """Body of ``POST /v1/tasks``."""
+    """Body of ``POST /v1/tasks`` (validated strictly, task by task: ``"1"`` is no number, ``true`` none
+    either; ``scheduler_service.routes.tasks.validate_batch``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     tasks: list[TaskCreate] = Field(min_length=1, max_length=10000)
 
 
@@ -80,7 +81,7 @@ class TaskPublic(BaseModel):
 class EvalCreate(BaseModel):
     """Body of ``POST /v1/evals``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     min_policy_version: int | None = Field(None, ge=0, le=2**53)
     """Policy version the items must be generated with at least (``None`` = the current one)."""
 
@@ -162,12 +163,15 @@ class ControlBody(BaseModel):
     """``POST /v1/control``: one operator command, the fields of a ``flywheel.control`` record
     (``shared.schemas.Control``; ``domain_state`` is the scheduler's own and is refused)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     command: Literal["pause_domain", "resume_domain", "open_breaker", "close_breaker", "set_threshold",
                      "pause_training", "resume_training"]
     domain: str | None = Field(None, min_length=1, max_length=256)
     signal: str | None = Field(None, min_length=1, max_length=64)
-    threshold: dict[str, float | bool | None] | None = None
+    threshold: dict[Annotated[str, Field(max_length=32)],
+                    Annotated[float, Field(ge=-1e15, le=1e15, allow_inf_nan=False)] | bool | None] | None = Field(
+        None, max_length=8)
+    """``set_threshold``: any of ``warning``, ``critical``, ``min_rise``, ``min_samples``, ``enabled`` (finite)."""
     reason: str = Field("", max_length=1000)
 
 

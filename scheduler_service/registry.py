@@ -7,7 +7,10 @@ threads under a lock; every call is one short transaction.
 
 Group states: ``pending`` (written, not yet sent: eval rounds), ``issued`` (sent, rewards
 outstanding), ``complete`` (a reward for every sample index) and ``abandoned`` (deadline passed
-``max_attempts`` times).
+``max_attempts`` times, or a request that can never be produced: ``abandon_reason`` says which).
+A group whose send failed goes back to ``pending`` with a ``retry_at`` (:meth:`Registry.release_groups`);
+after a broker restart every in-flight group is re-issued at once (:meth:`Registry.reissue_in_flight`)
+without using up one of its ``max_attempts`` (``free_attempts``).
 """
 
 from __future__ import annotations
@@ -212,7 +215,10 @@ class Registry(DomainTables, MonitorTables):
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
         # columns a registry written by an earlier version lacks: re-samples, the trainer's drops, domains
-        _add_columns(self._db, "groups", {"resample_of": "TEXT", "dropped": "TEXT", "domain": "TEXT"})
+        _add_columns(self._db, "groups", {"resample_of": "TEXT", "dropped": "TEXT", "domain": "TEXT",
+                                          # issue 19: failed sends and broker restarts
+                                          "send_failures": "INTEGER NOT NULL DEFAULT 0", "retry_at": "REAL",
+                                          "abandon_reason": "TEXT", "free_attempts": "INTEGER NOT NULL DEFAULT 0"})
         _add_columns(self._db, "tasks", TASK_COLUMNS)
         _add_columns(self._db, "rewards", {"completion_tokens": "INTEGER", "completion_hash": "TEXT"})  # dashboard
         self._db.executescript(_INDEXES)
@@ -549,11 +555,13 @@ class Registry(DomainTables, MonitorTables):
                            row["n"], row["eval_round"], mpv)
 
     def take_pending(self, deadline_s: float, limit: int = 1000) -> list[IssuedGroup]:
-        """Mark up to ``limit`` pending groups ``issued`` (deadline now + ``deadline_s``) and return them."""
+        """Mark up to ``limit`` pending groups ``issued`` (deadline now + ``deadline_s``) and return them;
+        groups released after a failed send wait until their ``retry_at``."""
         now = time.time()
         with self._tx() as db:
             rows = db.execute(
-                'SELECT * FROM "groups" WHERE state = \'pending\' ORDER BY rowid LIMIT ?', (limit,)
+                'SELECT * FROM "groups" WHERE state = \'pending\' AND (retry_at IS NULL OR retry_at <= ?)'
+                " ORDER BY rowid LIMIT ?", (now, limit)
             ).fetchall()
             for r in rows:
                 db.execute('UPDATE "groups" SET state = \'issued\', issued_at = ?, deadline = ? WHERE group_id = ?',
@@ -577,7 +585,7 @@ class Registry(DomainTables, MonitorTables):
                 if r["dropped"] is not None:  # the trainer skips its records: nothing to wait for
                     db.execute('UPDATE "groups" SET state = \'abandoned\' WHERE group_id = ?', (r["group_id"],))
                     continue
-                if r["attempt"] >= max_attempts:
+                if r["attempt"] - (r["free_attempts"] or 0) >= max_attempts:  # broker restarts are free
                     db.execute('UPDATE "groups" SET state = \'abandoned\' WHERE group_id = ?', (r["group_id"],))
                     abandoned.append(r["group_id"])
                     continue
@@ -588,6 +596,92 @@ class Registry(DomainTables, MonitorTables):
                 row = db.execute('SELECT * FROM "groups" WHERE group_id = ?', (r["group_id"],)).fetchone()
                 reissued.append(self._issued(db, row))
         return reissued, abandoned
+
+    def release_groups(self, group_ids: list[str], backoff_s: float = 1.0, max_backoff_s: float = 30.0
+                       ) -> dict[str, float]:
+        """Put issued groups whose request could not be sent back to ``pending``: :meth:`take_pending` hands
+        them out again after ``min(max_backoff_s, backoff_s · 2^(failures − 1))`` seconds (issue 19: a failed
+        send left every row ``issued`` until its deadline, 3 × 600 s for an eval round).
+
+        Returns:
+            ``{group_id: seconds until its retry}`` for the groups released (rows no longer issued are left).
+        """
+        now, out = time.time(), {}
+        with self._tx() as db:
+            for gid in group_ids:
+                row = db.execute('SELECT send_failures FROM "groups" WHERE group_id = ? AND state = \'issued\'',
+                                 (gid,)).fetchone()
+                if row is None:
+                    continue
+                failures = (row["send_failures"] or 0) + 1
+                wait = min(max_backoff_s, backoff_s * 2 ** (failures - 1))
+                db.execute('UPDATE "groups" SET state = \'pending\', send_failures = ?, retry_at = ?, issued_at = NULL,'
+                           " deadline = NULL WHERE group_id = ?", (failures, now + wait, gid))
+                out[gid] = wait
+        return out
+
+    def abandon_groups(self, reasons: dict[str, str]) -> list[str]:
+        """Abandon groups whose request can never be produced (``{group_id: reason}``, e.g. larger than the
+        broker's record limit), recording the reason; a training group gives its budget slot back. Returns the
+        ids abandoned (complete or already abandoned rows are left as they are)."""
+        done = []
+        with self._tx() as db:
+            for gid, reason in reasons.items():
+                cur = db.execute('UPDATE "groups" SET state = \'abandoned\', abandon_reason = ?, retry_at = NULL'
+                                 " WHERE group_id = ? AND state IN ('issued', 'pending')", (reason[:2000], gid))
+                if cur.rowcount:
+                    done.append(gid)
+        return done
+
+    def reissue_in_flight(self, before: float, deadline_s: float, recent_complete: int = 0) -> list[IssuedGroup]:
+        """After a broker restart (memory storage: every request and result in flight is gone): re-issue every
+        ``issued`` group sent before ``before`` (Unix s) at once, with a new deadline, and make ``pending``
+        groups waiting for a retry due now.
+
+        Each re-issued group gets attempt + 1 (its samples get new trajectory ids, the same path as a deadline
+        re-issue; the trainer keys samples by group id and sample index, so nothing trains twice) but the
+        attempt is free: it does not count towards ``max_attempts`` (:meth:`expire_groups`). Groups the trainer
+        dropped are left to :meth:`expire_groups`. Groups already re-issued after ``before`` are left, so a
+        second notice of the same restart does nothing.
+
+        ``recent_complete``: also re-send, without changing their state, the last ``recent_complete`` training
+        groups completed before ``before`` (by their last reward). The scheduler counts a group complete when its
+        rewards arrive, but the trainer trains it from flywheel.scored, which the broker lost: such a group was
+        never trained and, without a re-send, holds its budget slot for good (measured: the run stalled after
+        two broker restarts with ``(η + 1) · B`` slots held this way). Issued minus trained is at most
+        ``(η + 1) · B``, so that many cover every group that can be untrained; one the trainer already trained is
+        skipped by it (its ``done_groups``), and its rewards are not counted twice here (sample indices).
+        """
+        now = time.time()
+        out = []
+        with self._tx() as db:
+            rows = db.execute('SELECT group_id FROM "groups" WHERE state = \'issued\' AND dropped IS NULL'
+                              " AND (issued_at IS NULL OR issued_at < ?) ORDER BY rowid", (before,)).fetchall()
+            for r in rows:
+                db.execute('UPDATE "groups" SET attempt = attempt + 1, free_attempts = free_attempts + 1, issued_at = ?,'
+                           " deadline = ? WHERE group_id = ?", (now, now + deadline_s, r["group_id"]))
+                row = db.execute('SELECT * FROM "groups" WHERE group_id = ?', (r["group_id"],)).fetchone()
+                out.append(self._issued(db, row))
+            db.execute('UPDATE "groups" SET retry_at = NULL WHERE state = \'pending\' AND retry_at IS NOT NULL')
+            if recent_complete > 0:
+                done = db.execute(
+                    'SELECT g.group_id FROM "groups" g JOIN rewards r ON r.group_id = g.group_id WHERE g.state = '
+                    "'complete' AND g.purpose = 'train' AND g.dropped IS NULL GROUP BY g.group_id"
+                    " HAVING MAX(r.received_at) < ? ORDER BY MAX(r.received_at) DESC LIMIT ?",
+                    (before, recent_complete)).fetchall()
+                for r in done:
+                    db.execute('UPDATE "groups" SET attempt = attempt + 1, free_attempts = free_attempts + 1'
+                               " WHERE group_id = ?", (r["group_id"],))
+                    row = db.execute('SELECT * FROM "groups" WHERE group_id = ?', (r["group_id"],)).fetchone()
+                    out.append(self._issued(db, row))
+        return out
+
+    def in_flight_count(self, before: float | None = None) -> int:
+        """Groups ``issued`` and not dropped (requests the broker holds or a service works on), only those sent
+        before ``before`` (Unix s) when given."""
+        row = self._one('SELECT COUNT(*) AS c FROM "groups" WHERE state = \'issued\' AND dropped IS NULL'
+                        " AND issued_at < ?", float("inf") if before is None else before)
+        return int(row["c"])
 
     # ------------------------------------------------------------ rewards
 

@@ -15,6 +15,16 @@ Three loops in one asyncio task group, each stopping within about one poll inter
   loop sends a replacement and the run still reaches ``max_steps``; offsets are committed after SQLite.
 - ``watch``: flywheel.weights and flywheel.metrics without a group, from the earliest offset:
   the highest weight version is the policy version; trainer metrics feed the history.
+- ``broker``: every :data:`BROKER_CHECK_INTERVAL_S`, whether the marker topic :data:`MARKER_TOPIC` (created by
+  this loop, used by nobody else) still exists. It vanishes only when the broker lost its storage (the
+  embedded broker keeps everything in memory): then, like on ``POST /v1/system/broker-restarted`` from the
+  supervisor, :meth:`Sampler.broker_restarted` re-creates the topics and re-issues every in-flight group at
+  once instead of at its deadline (``group_deadline_s``). A scheduler that starts with in-flight groups and
+  no marker does the same (the broker restarted while it was down).
+
+A send that fails (:meth:`Sampler._send`) never leaves its rows ``issued`` until the deadline: a request that
+can never be produced (:data:`PERMANENT_SEND_ERRORS`, e.g. larger than the producer's limit) abandons its
+group with the reason; any other failure puts the group back to ``pending`` to be retried with backoff.
 
 Tasks are chosen fewest-groups-first with a seeded RNG breaking ties (epochs over the
 dataset), optionally with the learnability curriculum (``scheduler.curriculum``), oversampling
@@ -33,6 +43,10 @@ import time
 
 import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import (
+    InvalidTopicError, MessageSizeTooLargeError, RecordListTooLargeError, RecordTooLargeError,
+    TopicAuthorizationFailedError, UnsupportedCodecError,
+)
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
@@ -44,12 +58,29 @@ from scheduler_service.registry import IssuedGroup, Registry
 from scheduler_service.reports import Reporter
 from scheduler_service.stats import Stats
 from shared import topics
-from shared.kafka import commit_batch, decode_or_dead_letter, ensure_topics, make_consumer, send
+from shared.kafka import commit_batch, decode_or_dead_letter, ensure_topics, make_admin, make_consumer, send
 from shared.schemas import GroupDropped, Metrics, RewardEvent, RolloutRequest, SamplingParams, Task, WeightUpdate
 
 log = logging.getLogger(__name__)
 
 _AUTO_EVAL_KEY = "eval_auto_last_multiple"
+
+MARKER_TOPIC = "flywheel.scheduler.marker"
+"""A topic only the scheduler creates and nobody produces to: its absence means the broker lost its topics."""
+BROKER_CHECK_INTERVAL_S = 5.0
+"""Seconds between the sampler's checks for :data:`MARKER_TOPIC` (one metadata request each)."""
+PERMANENT_SEND_ERRORS = (MessageSizeTooLargeError, RecordTooLargeError, RecordListTooLargeError, InvalidTopicError,
+                         TopicAuthorizationFailedError, UnsupportedCodecError)
+"""Producer errors a retry cannot cure: the group is abandoned with the reason instead of retried."""
+CONSUMER_START_TIMEOUT_S = 60.0
+"""Bound on starting one of the sampler's consumers (bootstrap and, for a group, the first join), seconds."""
+GETMANY_SLACK_S = 5.0
+"""How much longer than its own timeout one ``getmany`` may take before the loop gives up on it (a group-less
+consumer whose topics vanished with the broker waits in ``Fetcher.fetched_records`` for an assignment, unbounded)."""
+CONSUMER_STOP_TIMEOUT_S = 10.0
+"""Bound on stopping one (leave group, close connections), seconds."""
+SEND_RETRY_BACKOFF_S = (1.0, 30.0)
+"""Wait before re-sending a group whose send failed: first, and cap (doubling per failure), seconds."""
 
 
 def training_budget(policy_version: int, batch_groups: int, max_staleness: int, max_steps: int,
@@ -106,12 +137,19 @@ class Sampler:
         self._starved_at = 0.0
         self._topics: set[str] = {topics.ROLLOUT_REQUESTS}
         self.name = "scheduler"
+        self._restart_lock = asyncio.Lock()
+        self._marker_seen = False
+        self._started_at = time.time()
+        self.broker_restarts = 0
+        """Broker restarts handled (:meth:`broker_restarted`); the consumer loops rebuild their consumers when it
+        changes (a group-less consumer keeps its old position on the new, empty topics and would skip records)."""
 
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         """Start the loops in the background (returns at once; the REST API serves meanwhile)."""
         self._stop.clear()
+        self._started_at = time.time()
         self._task = asyncio.create_task(self._run(), name="scheduler-sampler")
 
     async def _first_tasks(self) -> None:
@@ -147,17 +185,34 @@ class Sampler:
             tg.create_task(self._restarting(self._rewards_loop))
             tg.create_task(self._restarting(self._watch_loop))
             tg.create_task(self._restarting(self._control_loop))
+            tg.create_task(self._restarting(self._broker_loop))
 
     async def _restarting(self, loop) -> None:
-        """Run a consumer loop until stopped, restarting it after a failure (broker down, ...)."""
+        """Run a consumer loop until stopped, restarting it after a failure (broker down, ...) and after a
+        broker restart is handled: then the running loop is cancelled wherever it waits (a fetch waiting for an
+        assignment, an ack from the old broker) and started again with a new consumer."""
         while not self._stop.is_set():
+            epoch = self.broker_restarts
+            task = asyncio.create_task(loop(), name=f"scheduler-{loop.__name__}")
             try:
-                await loop()
+                while not task.done() and epoch == self.broker_restarts:
+                    await asyncio.wait([task], timeout=0.5)
+                if not task.done():  # a broker restart was handled meanwhile
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    log.info("%s: new consumer after the broker restart", loop.__name__)
+                    continue
+                task.result()
             except asyncio.CancelledError:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
                 raise
             except Exception:
                 log.exception("%s failed; restarting in 1 s", loop.__name__)
                 await self._sleep(1.0)
+            else:
+                if not self._stop.is_set():
+                    log.info("%s: new consumer after the broker restart", loop.__name__)
 
     async def _sleep(self, s: float) -> None:
         try:
@@ -314,42 +369,150 @@ class Sampler:
                 "min_policy_version": g.min_policy_version, "eval_round": g.eval_round, "issued_at": time.time()}
         return SplicedRequest(orjson.dumps(head)[:-1] + b',"task":' + g.payload.encode() + b"}")
 
-    async def _send(self, groups: list[IssuedGroup]) -> None:
-        """Send requests whose rows are written and wait for every ack.
+    async def _send(self, groups: list[IssuedGroup]) -> list[IssuedGroup]:
+        """Send requests whose rows are written and wait for every ack; returns the groups sent.
 
-        Raises:
-            aiokafka.errors.KafkaError: a send failed (the rows stay ``issued``; the deadline re-issues them).
+        A group whose send fails is never left ``issued`` until its deadline (issue 19, item 5): on one of
+        :data:`PERMANENT_SEND_ERRORS` it is abandoned with the reason (``Registry.abandon_groups``), on any
+        other error (broker down, timeout) it goes back to ``pending`` and a later pass re-sends it after a
+        backoff (``Registry.release_groups``, :data:`SEND_RETRY_BACKOFF_S`).
         """
+        if not groups:
+            return []
         producer = self.producer
         tracer = trace.get_tracer("scheduler")
+        failed: dict[str, BaseException] = {}
         new = {topics.rollout_requests(g.pool) for g in groups} - self._topics
         if new:  # a pool named for the first time: its topic, with the partitions of the default one
-            await ensure_topics(self.cfg.kafka, sorted(new))
-            self._topics |= new
+            try:
+                await ensure_topics(self.cfg.kafka, sorted(new))
+                self._topics |= new
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                failed.update({g.group_id: e for g in groups if topics.rollout_requests(g.pool) in new})
         futs = []
         version = self.registry.policy_version
         for g in groups:  # one trace per group, rooted here: rollout, verifier and trainer continue it via headers
+            if g.group_id in failed:
+                continue
             attrs = {"group_id": g.group_id, "domain": g.domain, "task_id": g.task_id, "purpose": g.purpose,
                      "attempt": g.attempt, "n": g.n, "policy_version": version}
             if g.eval_round is not None:
                 attrs["eval_round"] = g.eval_round
             with tracer.start_as_current_span("issue_group", context=otel_context.Context(), attributes=attrs):
-                futs.append(await send(producer, topics.rollout_requests(g.pool), self._request(g), key=g.group_id))
-        await asyncio.gather(*futs)
-        self.metrics.issued(groups)
-        for g in groups:
+                try:
+                    futs.append((g, await send(producer, topics.rollout_requests(g.pool), self._request(g),
+                                               key=g.group_id)))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # refused before queueing: too large, no metadata, producer closed
+                    failed[g.group_id] = e
+        results = await asyncio.gather(*(f for _, f in futs), return_exceptions=True)
+        for (g, _), r in zip(futs, results):
+            if isinstance(r, BaseException):
+                failed[g.group_id] = r
+        sent = [g for g in groups if g.group_id not in failed]
+        self.metrics.issued(sent)
+        for g in sent:
             log.info("issued group %s (%s, attempt %d, n=%d)", g.group_id, g.purpose, g.attempt, g.n)
+        if failed:
+            self._send_failed(failed)
+        return sent
+
+    def _send_failed(self, failed: dict[str, BaseException]) -> None:
+        """Abandon the groups whose request can never be produced; release the others for a retry."""
+        permanent = {gid: f"request cannot be produced: {e!r}"[:2000] for gid, e in failed.items()
+                     if isinstance(e, PERMANENT_SEND_ERRORS)}
+        for gid in self.registry.abandon_groups(permanent):
+            log.error("group %s abandoned: %s", gid, permanent[gid])
+        self.metrics.groups_abandoned.inc(len(permanent))
+        retry = [gid for gid in failed if gid not in permanent]
+        if retry:
+            first, cap = SEND_RETRY_BACKOFF_S
+            waits = self.registry.release_groups(retry, first, cap)
+            e = failed[retry[0]]
+            log.warning("sending %d group(s) failed (%r); released for a retry in %.0f-%.0f s", len(retry), e,
+                        min(waits.values(), default=0), max(waits.values(), default=0))
+
+    # ------------------------------------------------------------ broker restarts
+
+    async def broker_restarted(self, before: float | None = None, why: str = "") -> int:
+        """The broker lost its storage (restarted empty): re-create every topic (and the marker), and re-issue
+        at once every group in flight since before ``before`` (Unix s; default now). Serialised; a second
+        notice of the same restart re-issues nothing (``Registry.reissue_in_flight``). Returns the number
+        re-issued.
+
+        Raises:
+            aiokafka.errors.KafkaError: the topics cannot be created (the broker is not back yet).
+        """
+        before = time.time() if before is None else before
+        async with self._restart_lock:
+            pools = {t for t in self._topics if t != topics.ROLLOUT_REQUESTS}
+            await ensure_topics(self.cfg.kafka, [*topics.ALL, *sorted(pools), MARKER_TOPIC])
+            self._marker_seen = True
+            b = self.cfg.budget
+            groups = self.registry.reissue_in_flight(before, self.cfg.scheduler.group_deadline_s,
+                                                     recent_complete=(b.max_staleness + 1) * math.ceil(
+                                                         b.batch_groups * b.oversample))
+            self.broker_restarts += 1  # the consumer loops start over on the new broker
+            log.warning("broker restart (%s): topics re-created, re-issuing %d in-flight groups now", why or "notice",
+                        len(groups))
+            await self._send(groups)
+            return len(groups)
+
+    async def _broker_loop(self) -> None:
+        """Every :data:`BROKER_CHECK_INTERVAL_S`: has :data:`MARKER_TOPIC` vanished? Then the broker lost its
+        topics (or restarted while this process was down, with groups in flight): :meth:`broker_restarted`."""
+        while not self._stop.is_set():
+            admin = None
+            try:
+                admin = make_admin(self.cfg.kafka)
+                await admin.start()
+                names = set(await admin.list_topics())
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the broker is down: the next check tells
+                log.debug("broker check failed: %r", e)
+                await self._sleep(1.0)
+                continue
+            finally:
+                if admin is not None:
+                    await admin.close()
+            if MARKER_TOPIC not in names:
+                if self._marker_seen:
+                    await self.broker_restarted(why=f"the marker topic {MARKER_TOPIC} is gone")
+                elif self.registry.in_flight_count(before=self._started_at):  # lost while this process was down
+                    await self.broker_restarted(self._started_at, why=f"no marker topic {MARKER_TOPIC} at start "
+                                                                      "and groups in flight from before")
+                else:  # a fresh broker and nothing in flight: only mark it
+                    await ensure_topics(self.cfg.kafka, [MARKER_TOPIC])
+                    self._marker_seen = True
+            else:
+                self._marker_seen = True
+            await self._sleep(BROKER_CHECK_INTERVAL_S)
 
     # ------------------------------------------------------------ consuming
 
     async def _consume(self, consumer: AIOKafkaConsumer, handle, commit: bool, on_start=None) -> None:
-        await consumer.start()
+        """Run ``consumer`` until stopped, or until a broker restart is handled (:attr:`broker_restarts` moves:
+        the caller's :meth:`_restarting` then builds a new consumer, from the committed or earliest offsets)."""
+        epoch = self.broker_restarts
+        try:
+            await asyncio.wait_for(consumer.start(), CONSUMER_START_TIMEOUT_S)
+        except BaseException:
+            await self._close(consumer)
+            raise
         try:
             if on_start is not None:
                 await on_start(consumer)
-            while not self._stop.is_set():
-                batch = await consumer.getmany(timeout_ms=int(self.cfg.scheduler.poll_interval_s * 1000) + 50,
-                                               max_records=500)
+            wait_ms = int(self.cfg.scheduler.poll_interval_s * 1000) + 50
+            while not self._stop.is_set() and epoch == self.broker_restarts:
+                try:  # bounded: after a broker restart aiokafka can wait for a partition assignment forever
+                    batch = await asyncio.wait_for(consumer.getmany(timeout_ms=wait_ms, max_records=500),
+                                                   wait_ms / 1000 + GETMANY_SLACK_S)
+                except asyncio.TimeoutError:
+                    continue
                 if not batch:
                     continue
                 try:
@@ -367,7 +530,16 @@ class Sampler:
                 if commit:
                     await commit_batch(consumer, batch)
         finally:
-            await consumer.stop()
+            await self._close(consumer)
+
+    @staticmethod
+    async def _close(consumer: AIOKafkaConsumer) -> None:
+        """Stop ``consumer`` within :data:`CONSUMER_STOP_TIMEOUT_S` (a group consumer whose coordinator died can
+        otherwise wait on it much longer)."""
+        stopping = asyncio.ensure_future(consumer.stop())  # not wait_for: it would wait out a stop that ignores
+        done, _ = await asyncio.wait([stopping], timeout=CONSUMER_STOP_TIMEOUT_S)  # the cancellation
+        if not done:
+            log.warning("a consumer did not stop within %.0f s; left behind", CONSUMER_STOP_TIMEOUT_S)
 
     async def _rewards_loop(self) -> None:
         consumer = make_consumer(self.cfg.kafka, topics.REWARDS, topics.GROUP_DROPS,

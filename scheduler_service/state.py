@@ -48,6 +48,9 @@ class SchedulerState:
         self.sampler: Sampler | None = None
         self._guard: DriftGuard | None = None
         self._background: set[asyncio.Task] = set()
+        self.prompt_counter: Any = None
+        """The policy's tokenizer and context for ``POST /v1/tasks`` (``scheduler_service.routes.tasks.PromptCounter``,
+        made on the first batch)."""
 
     @property
     def guard(self) -> DriftGuard:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 from typing_extensions import Self
 
@@ -39,8 +39,70 @@ class KafkaConfig(BaseModel):
     """Long-poll bound; the embedded broker does not wake waiting fetches, so keep it low."""
     max_request_size: int = Field(16 * 1024 * 1024, ge=1024)
     """Largest produce request in bytes."""
-    session_timeout_ms: int = Field(10000, ge=1000)
+    session_timeout_ms: int = Field(10000, ge=1000, le=300000)
     """Consumer-group session timeout (a dead member is detected after this)."""
+    metadata_max_age_ms: int = Field(5000, ge=500, le=300000)
+    """Milliseconds after which every client refreshes its cluster and topic metadata even without an
+    error. aiokafka's default of 300,000 (5 minutes) kept the services blind to a restarted broker's new
+    topics for minutes (issue 19); 5 s costs one small Metadata request per client every 5 s."""
+    retry_backoff_ms: int = Field(200, ge=10, le=10000)
+    """aiokafka's back-off before retrying a failed request or metadata refresh (its default is 100)."""
+    request_timeout_ms: int = Field(15000, ge=1000, le=300000)
+    """Bound on one request to the broker (aiokafka's default is 40,000): a produce whose ack does not come
+    within it fails with ``KafkaTimeoutError`` and is retried by the service."""
+    connections_max_idle_ms: int = Field(540000, ge=1000)
+    """Idle connections are closed after this (aiokafka's default)."""
+    reconnect_backoff_ms: int = Field(250, ge=10, le=60000)
+    """The services' own first back-off (ms) before they rebuild their Kafka clients once the broker was
+    unreachable (``shared.kafka.BrokerWatch``); doubled after each failed attempt up to
+    :attr:`reconnect_backoff_max_ms`."""
+    reconnect_backoff_max_ms: int = Field(4000, ge=10, le=300000)
+    """Cap of that back-off (ms): a broker that comes back is noticed within about this long."""
+    probe_interval_ms: int = Field(1000, ge=100, le=60000)
+    """How often each service's broker watch sends a small ApiVersions request on its own connection
+    (``shared.kafka.BrokerWatch``): a broker that died and came back between two probes is still seen,
+    since the watch's connection is closed when the broker dies."""
+    security_protocol: Literal["PLAINTEXT", "SASL_PLAINTEXT", "SASL_SSL", "SSL"] = "PLAINTEXT"
+    """How clients talk to the broker (Apache Kafka's ``security.protocol``). The embedded Tansu broker
+    speaks only ``PLAINTEXT`` and enforces no authentication (docs/security.md); ``SASL_*`` and ``SSL``
+    are for an external Apache Kafka (compose)."""
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = "PLAIN"
+    """SASL mechanism with ``SASL_PLAINTEXT`` / ``SASL_SSL``."""
+    sasl_plain_username: str | None = Field(None, min_length=1, max_length=1024)
+    """SASL user name."""
+    sasl_plain_password: SecretStr | None = Field(None, repr=False)
+    """SASL password (``FLYWHEEL_KAFKA__SASL_PLAIN_PASSWORD``); never logged. Prefer
+    :attr:`sasl_plain_password_file`: the environment is visible to the process's children."""
+    sasl_plain_password_file: str | None = None
+    """File holding the SASL password (first line; ``~`` expanded), e.g. a compose secret
+    ``/run/secrets/kafka_password``; used when :attr:`sasl_plain_password` is not set."""
+    ssl_cafile: str | None = None
+    """CA bundle (PEM) that signed the broker's certificate (``SSL``/``SASL_SSL``; default: the system's)."""
+    ssl_certfile: str | None = None
+    """Client certificate (PEM) for mutual TLS (with :attr:`ssl_keyfile`)."""
+    ssl_keyfile: str | None = None
+    """Private key (PEM) of :attr:`ssl_certfile`."""
+    ssl_keyfile_password_file: str | None = None
+    """File holding the password of an encrypted :attr:`ssl_keyfile` (first line)."""
+
+    @model_validator(mode="after")
+    def _check_security(self) -> Self:
+        """``SASL_*`` needs a user name and a password (or its file); a client certificate needs its key;
+        the back-off cap is not below its start.
+
+        Raises:
+            ValueError: names the missing field.
+        """
+        if self.security_protocol.startswith("SASL_") and (
+                self.sasl_plain_username is None
+                or (self.sasl_plain_password is None and self.sasl_plain_password_file is None)):
+            raise ValueError(f"kafka.security_protocol={self.security_protocol} needs kafka.sasl_plain_username and "
+                             "kafka.sasl_plain_password or kafka.sasl_plain_password_file")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("kafka.ssl_certfile and kafka.ssl_keyfile go together (mutual TLS)")
+        if self.reconnect_backoff_max_ms < self.reconnect_backoff_ms:
+            raise ValueError("kafka.reconnect_backoff_max_ms must be >= kafka.reconnect_backoff_ms")
+        return self
 
 
 class ModelConfig(BaseModel):

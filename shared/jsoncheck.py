@@ -32,3 +32,29 @@ def check_json(value: Any, limit: int = MAX_JSON_DEPTH) -> Any:
     return value
 
 
+
+
+def json_size(value: Any) -> int:
+    """Bytes of ``value`` as compact JSON (orjson, what the registry and Kafka store).
+
+    Raises:
+        ValueError: it cannot be encoded (an integer past 64 bits, a non-string key...).
+    """
+    import orjson
+
+    try:
+        return len(orjson.dumps(value))
+    except TypeError as e:  # orjson.JSONEncodeError is a TypeError
+        raise ValueError(f"cannot be encoded as JSON: {e}") from None
+
+
+def check_size(value: Any, max_bytes: int, what: str = "value") -> Any:
+    """``value`` unchanged when its compact JSON holds at most ``max_bytes`` bytes.
+
+    Raises:
+        ValueError: it is larger (the message names ``what`` and both sizes), or cannot be encoded.
+    """
+    n = json_size(value)
+    if n > max_bytes:
+        raise ValueError(f"{what} is {n} bytes as JSON, more than {max_bytes}")
+    return value

@@ -1,35 +1,98 @@
-"""aiokafka helpers: producers with acks=all, manual-commit consumers, topic creation, dead letters.
+"""aiokafka helpers: producers with acks=all, manual-commit consumers, topic creation, dead letters,
+records that cannot be produced, and the broker watch that lets a service outlive a broker restart.
 
 The delivery contract (DESIGN.md, "Delivery semantics") is at-least-once: a consumer commits an
 offset only after everything it produced for that record is acknowledged. The embedded broker
 has no idempotent producer and wrong "latest" offsets, so producers never enable idempotence and
 consumers start from committed or earliest offsets.
+
+Every client gets the same connection settings from :class:`shared.config.KafkaConfig`
+(:func:`client_options`: metadata refresh, retry back-off, request timeout, and the optional
+SASL/SSL security of an external Apache Kafka).
+
+Broker outages (issue 19): aiokafka hides a dead broker (``getmany`` returns nothing, errors are only
+logged) and, after an *empty* broker comes back on the same port (memory storage: topics and committed
+offsets gone), a consumer without a group keeps its old position and silently skips the new topic's
+first records (measured: at position 5, records 0..4 of the new topic were never returned). A service
+therefore runs its Kafka clients as one *session* and rebuilds it whenever its :class:`BrokerWatch`
+sees the broker go away: close the clients, wait until the broker answers, :func:`ensure_topics`,
+start new clients (group consumers re-join and start at the committed offsets, else the earliest;
+group-less ones at the earliest), as a process restart would, without reloading models.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import time
+from collections.abc import Awaitable, Sequence
+from pathlib import Path
 from typing import Iterable, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka import errors as kerr
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from shared import topics
 from shared.config import KafkaConfig
-from shared.schemas import DeadLetter, DecodeError, Record, decode
+from shared.schemas import DeadLetter, DecodeError, Record, Trajectory, decode
 from shared.telemetry import inject_headers, setup_logging, setup_tracing
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", bound=Record)
 
 
-def make_producer(cfg: KafkaConfig, client_id: str = "flywheel") -> AIOKafkaProducer:
-    """A producer that waits for acks from all in-sync replicas (not started)."""
-    return AIOKafkaProducer(
+def _secret_file(path: str) -> str:
+    """The first line of ``path`` (``~`` expanded), stripped.
+
+    Raises:
+        OSError: the file cannot be read (the message names the file, never its content).
+    """
+    return Path(os.path.expanduser(path)).read_text().splitlines()[0].strip() if path else ""
+
+
+def client_options(cfg: KafkaConfig) -> dict:
+    """The keyword arguments every aiokafka client of a service shares: bootstrap servers, metadata
+    refresh (``kafka.metadata_max_age_ms``: 5 s, not aiokafka's 5 minutes), retry back-off, request
+    timeout, idle close, and the security settings (``kafka.security_protocol``: SASL user and password,
+    an SSL context from :func:`aiokafka.helpers.create_ssl_context` with the CA, client certificate and
+    key). The password is read from ``sasl_plain_password`` or its file, and is never logged.
+
+    Raises:
+        OSError: a password, CA, certificate or key file cannot be read.
+        ssl.SSLError: the certificate or key is invalid.
+    """
+    opts: dict = dict(
         bootstrap_servers=cfg.bootstrap_servers,
+        metadata_max_age_ms=cfg.metadata_max_age_ms,
+        request_timeout_ms=cfg.request_timeout_ms,
+        retry_backoff_ms=cfg.retry_backoff_ms,
+        connections_max_idle_ms=cfg.connections_max_idle_ms,
+        security_protocol=cfg.security_protocol,
+    )
+    if cfg.security_protocol.startswith("SASL_"):
+        password = (cfg.sasl_plain_password.get_secret_value() if cfg.sasl_plain_password is not None
+                    else _secret_file(cfg.sasl_plain_password_file or ""))
+        opts.update(sasl_mechanism=cfg.sasl_mechanism, sasl_plain_username=cfg.sasl_plain_username,
+                    sasl_plain_password=password)
+    if cfg.security_protocol in ("SSL", "SASL_SSL"):
+        from aiokafka.helpers import create_ssl_context
+
+        key_password = _secret_file(cfg.ssl_keyfile_password_file) if cfg.ssl_keyfile_password_file else None
+        opts["ssl_context"] = create_ssl_context(cafile=cfg.ssl_cafile, certfile=cfg.ssl_certfile,
+                                                 keyfile=cfg.ssl_keyfile, password=key_password)
+    return opts
+
+
+def make_producer(cfg: KafkaConfig, client_id: str = "flywheel") -> AIOKafkaProducer:
+    """A producer that waits for acks from all in-sync replicas (not started), with
+    :func:`client_options`."""
+    return AIOKafkaProducer(
+        **client_options(cfg),
         client_id=client_id,
         acks="all",
         enable_idempotence=False,  # the embedded broker cannot (notes/tansu-broker.md)
@@ -44,14 +107,14 @@ def make_consumer(
     offset_reset: str = "earliest",
 ) -> AIOKafkaConsumer:
     """A manual-commit consumer starting from committed offsets, else ``offset_reset`` (``earliest`` or
-    ``latest``; not started).
+    ``latest``; not started), with :func:`client_options`.
 
     With ``group_id=None`` the consumer has no group and no commits (e.g. every rollout replica
     reading every weight version).
     """
     return AIOKafkaConsumer(
         *topic_names,
-        bootstrap_servers=cfg.bootstrap_servers,
+        **client_options(cfg),
         client_id=client_id,
         group_id=group_id,
         enable_auto_commit=False,
@@ -64,9 +127,18 @@ def make_consumer(
     )
 
 
+def make_admin(cfg: KafkaConfig, client_id: str = "flywheel-admin") -> AIOKafkaAdminClient:
+    """An admin client (not started) with :func:`client_options`."""
+    return AIOKafkaAdminClient(**client_options(cfg), client_id=client_id)
+
+
 async def ensure_topics(cfg: KafkaConfig, names: Iterable[str] = topics.ALL) -> None:
-    """Create the topics that do not exist yet, with the partition counts of ``shared.topics``."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=cfg.bootstrap_servers)
+    """Create the topics that do not exist yet, with the partition counts of ``shared.topics``.
+
+    Raises:
+        aiokafka.errors.KafkaError: the broker cannot be reached (see :data:`BROKER_ERRORS`).
+    """
+    admin = make_admin(cfg)
     await admin.start()
     try:
         existing = set(await admin.list_topics())
@@ -89,16 +161,134 @@ async def send(producer: AIOKafkaProducer, topic: str, record: Record, key: str)
     return await producer.send(topic, record.encode(), key=key.encode(), headers=inject_headers())
 
 
+DLQ_PAYLOAD_CHARS = 65536
+"""Characters of the original value a dead letter keeps at most (``DeadLetter.payload``)."""
+
+
 async def dead_letter(producer: AIOKafkaProducer, msg: ConsumerRecord, consumer: str, reason: str) -> None:
-    """Send a malformed record to flywheel.dlq with ``reason`` and wait for the ack."""
-    payload = (msg.value or b"")[:65536].decode("utf-8", errors="replace")
-    dl = DeadLetter(
-        source_topic=msg.topic, partition=msg.partition, offset=msg.offset, consumer=consumer, reason=reason,
-        payload=payload,
-    )
+    """Send ``msg`` (a record this consumer cannot process) to flywheel.dlq with ``reason`` and wait for
+    the ack.
+
+    The payload is the original value decoded as UTF-8 with replacement, cut to
+    :data:`DLQ_PAYLOAD_CHARS` characters and, when the dead letter would still not fit the producer's
+    ``max_request_size``, cut further (down to nothing) so the dead letter itself is never refused for
+    its size.
+
+    Raises:
+        aiokafka.errors.KafkaError: the dead letter was not acknowledged (the caller must not commit).
+    """
+    payload = (msg.value or b"")[:DLQ_PAYLOAD_CHARS].decode("utf-8", errors="replace")
     key = (msg.key or b"").decode("utf-8", errors="replace") or "none"
+    limit = getattr(producer, "_max_request_size", None)
+    while True:
+        dl = DeadLetter(
+            source_topic=msg.topic, partition=msg.partition, offset=msg.offset, consumer=consumer,
+            reason=reason[:2000], payload=payload,
+        )
+        if limit is None or not payload or record_size(dl.encode(), key) <= limit:
+            break
+        payload = payload[: len(payload) // 4]
     await (await send(producer, topics.DLQ, dl, key))
     log.warning("dead-lettered %s[%d]@%d: %s", msg.topic, msg.partition, msg.offset, reason)
+
+
+def record_size(value: bytes, key: str | bytes | None, headers=None) -> int:
+    """Bytes aiokafka counts for one record against ``max_request_size`` (before compression; its own
+    estimate, ``DefaultRecordBatchBuilder.estimate_size_in_bytes``)."""
+    k = key.encode() if isinstance(key, str) else key
+    return DefaultRecordBatchBuilder.estimate_size_in_bytes(k, value, headers if headers is not None else [])
+
+
+PERMANENT_PRODUCE_ERRORS: tuple[type[BaseException], ...] = (
+    kerr.MessageSizeTooLargeError,  # client side (max_request_size) or the broker's message.max.bytes (10)
+    kerr.RecordListTooLargeError,  # 18
+    kerr.RecordTooLargeError,
+    kerr.CorruptRecordException,  # 2: the broker refused the record (also InvalidRecord on Apache Kafka)
+    kerr.InvalidTopicError,  # 17
+    kerr.InvalidTimestampError,  # 32
+    kerr.UnsupportedForMessageFormatError,  # 43
+    kerr.PolicyViolationError,  # 44
+)
+"""Produce failures that no retry can cure: the record itself is refused (Kafka protocol error codes in
+the comments). :func:`produce_or_dead_letter` dead-letters the source record on these; every other
+error (the broker down, a timeout, a leader moving) is transient and raised for the caller to retry."""
+
+BROKER_ERRORS: tuple[type[BaseException], ...] = (
+    kerr.KafkaConnectionError, kerr.NodeNotReadyError, kerr.RequestTimedOutError, kerr.KafkaTimeoutError,
+    kerr.UnknownTopicOrPartitionError, kerr.GroupCoordinatorNotAvailableError, kerr.NotCoordinatorForGroupError,
+    kerr.LeaderNotAvailableError, kerr.NotLeaderForPartitionError, kerr.BrokerNotAvailableError,
+    kerr.NoBrokersAvailable, kerr.KafkaUnavailableError, kerr.CommitFailedError, kerr.IllegalGenerationError,
+    kerr.UnknownMemberIdError, kerr.RebalanceInProgressError, kerr.GroupLoadInProgressError,
+    kerr.NotEnoughReplicasError, kerr.NotEnoughReplicasAfterAppendError, kerr.StaleMetadata,
+    kerr.IllegalStateError, kerr.ConsumerStoppedError, kerr.ProducerClosed, kerr.UnknownError,
+    asyncio.TimeoutError, ConnectionError,
+)
+"""Errors that mean the broker is (or was) unreachable or its cluster state changed under the client:
+a service catches them (and :class:`BrokerLost`) around its Kafka session, logs ``broker unreachable,
+retrying``, and rebuilds its clients (:meth:`BrokerWatch.wait_up`). ``IllegalStateError`` and
+``ConsumerStoppedError`` come from a consumer whose assignment vanished with the broker;
+``UnknownError`` is what an empty broker answers for a group it does not know."""
+
+
+def unproducible_trajectory(traj: Trajectory, reason: str) -> Trajectory:
+    """A small stand-in for a trajectory whose record (or scored result) cannot be produced: the same ids,
+    task and policy versions, no prompt ids, completion or turns, ``finish_reason="error"`` and
+    ``error=reason``. Downstream it is what a failed generation is: the verifier scores it as an
+    infrastructure error and the trainer drops its group as ``failed`` (``GroupDropped``), so the
+    scheduler gives the group's slot back at once instead of waiting for its deadline."""
+    return traj.model_copy(update={
+        "prompt_ids": [], "completion_ids": [], "completion_logprobs": [], "loss_mask": [], "completion_text": "",
+        "turns": [], "finish_reason": "error", "error": reason[:2000]})
+
+
+class BrokerLost(Exception):
+    """Raised by :meth:`BrokerWatch.check` (and :meth:`BrokerWatch.guard`) once the broker went away after
+    the session began: the session's clients must be rebuilt."""
+
+
+async def produce_or_dead_letter(
+    producer: AIOKafkaProducer, msg: ConsumerRecord, consumer: str, records: Sequence[tuple[str, Record, str]],
+) -> str | None:
+    """Produce ``records`` (``(topic, record, key)`` each, made on behalf of the consumed ``msg``) and wait
+    for every ack; when one of them can never be produced, dead-letter ``msg`` instead and return why.
+
+    Every record's size is checked against the producer's ``max_request_size`` before any is sent
+    (aiokafka would raise ``MessageSizeTooLargeError`` from ``send``), so an oversized result sends none.
+    A refusal by the broker (:data:`PERMANENT_PRODUCE_ERRORS`, e.g. its own smaller message limit) is
+    seen on the ack; records sent before it stay sent (downstream is idempotent).
+
+    Returns:
+        ``None`` when everything was acknowledged, else the reason written to the dead letter (names the
+        error, the topic and the record's size): the caller counts it in its DLQ metric and commits past
+        ``msg``.
+
+    Raises:
+        aiokafka.errors.KafkaError: a transient failure (the broker down, a timeout; never dead-lettered):
+            the caller must not commit, and retries or rebuilds its session.
+    """
+    limit = getattr(producer, "_max_request_size", None)
+    encoded = [(t, r.encode(), k) for t, r, k in records]
+    for (t, value, k), (_, rec, _) in zip(encoded, records):
+        size = record_size(value, k, inject_headers())
+        if limit is not None and size > limit:
+            reason = (f"unproducible: MessageSizeTooLargeError: the {type(rec).__name__} for {t} is {size} bytes, "
+                      f"over kafka.max_request_size={limit}")
+            await dead_letter(producer, msg, consumer, reason)
+            return reason
+    topic = size = None
+    try:
+        futs = []
+        for t, value, k in encoded:
+            topic, size = t, len(value)
+            futs.append(await producer.send(t, value, key=k.encode(), headers=inject_headers()))
+        for (t, value, _), fut in zip(encoded, futs):
+            topic, size = t, len(value)
+            await fut
+    except PERMANENT_PRODUCE_ERRORS as e:
+        reason = f"unproducible: {type(e).__name__}: record for {topic} is {size} bytes: {e}"[:2000]
+        await dead_letter(producer, msg, consumer, reason)
+        return reason
+    return None
 
 
 async def decode_or_dead_letter(
@@ -110,6 +300,201 @@ async def decode_or_dead_letter(
     except DecodeError as e:
         await dead_letter(producer, msg, consumer, e.reason)
         return None
+
+
+class BrokerWatch:
+    """Knows whether the broker is reachable, and whether it went away since a session began.
+
+    One background task holds its own connection to a bootstrap server (with the clients' security
+    settings) and sends a small ApiVersions request every ``kafka.probe_interval_ms``. A failed probe, or
+    the connection found closed (a broker that dies closes it at once, so a restart between two probes
+    is seen too), marks the broker *down*: logged once as ``broker unreachable, retrying``, then
+    reconnected with a back-off from ``kafka.reconnect_backoff_ms`` doubling to
+    ``kafka.reconnect_backoff_max_ms``. When it answers again :attr:`epoch` goes up by one and the
+    outage's length is logged.
+
+    A service reads :attr:`epoch` when its session starts and calls :meth:`check` (or wraps an await in
+    :meth:`guard`) as it goes; both raise :class:`BrokerLost` once the broker went away, and the service
+    rebuilds its clients after :meth:`wait_up`.
+    """
+
+    def __init__(self, cfg: KafkaConfig, name: str) -> None:
+        self.cfg, self.name = cfg, name
+        self.epoch = 0
+        """Times the broker came back after being unreachable since :meth:`start`."""
+        self.outages = 0
+        """Times it was seen unreachable."""
+        self.last_outage_s: float | None = None
+        """Seconds from the last loss to the broker answering again."""
+        self._up = asyncio.Event()
+        self._down = asyncio.Event()
+        self._down_since: float | None = None
+        self._task: asyncio.Task | None = None
+        self._conn = None
+        self._closing = False
+
+    @property
+    def up(self) -> bool:
+        """Whether the last probe got an answer."""
+        return self._up.is_set()
+
+    def start(self) -> None:
+        """Start probing (on the running event loop)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"broker-watch-{self.name}")
+
+    async def close(self) -> None:
+        """Stop probing and close the connection."""
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def check(self, epoch: int) -> None:
+        """Raise :class:`BrokerLost` if the broker is down now or came back since ``epoch`` was read."""
+        if not self.up or self.epoch != epoch:
+            raise BrokerLost(f"broker {self.cfg.bootstrap_servers} went away")
+
+    async def guard(self, aw: Awaitable, epoch: int):
+        """Await ``aw``; if the broker goes away first, cancel it and raise :class:`BrokerLost` (an ack that
+        would otherwise wait ``kafka.request_timeout_ms`` for a dead broker)."""
+        self.check(epoch)
+        task = asyncio.ensure_future(aw)
+        lost = asyncio.ensure_future(self._down.wait())
+        try:
+            await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise BrokerLost(f"broker {self.cfg.bootstrap_servers} went away")
+        return task.result()
+
+    async def wait_up(self, stop: asyncio.Event | None = None) -> bool:
+        """Wait until the broker answers (or ``stop`` is set); returns whether it is up."""
+        self.start()
+        waiters = [asyncio.ensure_future(self._up.wait())]
+        if stop is not None:
+            waiters.append(asyncio.ensure_future(stop.wait()))
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+        return self.up
+
+    def _lost(self, why: object) -> None:
+        conn, self._conn = self._conn, None
+        if not self._closing and (self._up.is_set() or self._down_since is None):
+            self.outages += self._up.is_set()
+            if self._up.is_set():
+                log.warning("%s: broker %s unreachable, retrying (%s)", self.name, self.cfg.bootstrap_servers, why)
+            else:
+                log.info("%s: broker %s not reachable yet (%s); waiting for it", self.name, self.cfg.bootstrap_servers,
+                         why)
+            self._up.clear()
+            self._down.set()
+            self._down_since = time.monotonic()
+        if conn is not None:
+            conn.close()
+
+    def _on_close(self, conn, reason) -> None:
+        """aiokafka's close callback: a broker that dies closes the watch's connection at once."""
+        if conn is self._conn:
+            self._lost(f"connection closed ({reason})")
+
+    def _back(self) -> None:
+        if self._up.is_set():
+            return
+        if self._down_since is not None and self.outages:
+            self.epoch += 1
+            self.last_outage_s = time.monotonic() - self._down_since
+            log.warning("%s: broker %s reachable again after %.1f s", self.name, self.cfg.bootstrap_servers,
+                        self.last_outage_s)
+        self._down_since = None
+        self._down.clear()
+        self._up.set()
+
+    async def _connect(self):
+        from aiokafka.conn import create_conn
+
+        opts = client_options(self.cfg)
+        last: BaseException | None = None
+        for server in self.cfg.bootstrap_servers.split(","):
+            host, _, port = server.strip().rpartition(":")
+            try:
+                return await create_conn(
+                    host.strip("[]") or "127.0.0.1", int(port or 9092), client_id=f"{self.name}-watch",
+                    request_timeout_ms=min(self.cfg.request_timeout_ms, 5000), on_close=self._on_close,
+                    ssl_context=opts.get("ssl_context"), security_protocol=self.cfg.security_protocol,
+                    sasl_mechanism=opts.get("sasl_mechanism"), sasl_plain_username=opts.get("sasl_plain_username"),
+                    sasl_plain_password=opts.get("sasl_plain_password"))
+            except (kerr.KafkaError, OSError, asyncio.TimeoutError) as e:
+                last = e
+        raise kerr.KafkaConnectionError(f"no bootstrap server answers: {last!r}")
+
+    async def _run(self) -> None:
+        from aiokafka.protocol.admin import ApiVersionRequest
+
+        cfg = self.cfg
+        backoff = cfg.reconnect_backoff_ms
+        while True:
+            try:
+                if self._conn is not None and not self._conn.connected():
+                    self._lost("connection closed")
+                if self._conn is None:
+                    self._conn = await self._connect()
+                await asyncio.wait_for(self._conn.send(ApiVersionRequest()), min(cfg.request_timeout_ms, 5000) / 1000)
+                self._back()
+                backoff = cfg.reconnect_backoff_ms
+                try:  # the next probe, or at once when the connection closes
+                    await asyncio.wait_for(self._down.wait(), cfg.probe_interval_ms / 1000)
+                except asyncio.TimeoutError:
+                    pass
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any failure to talk to the broker means it is down
+                self._lost(repr(e))
+                await asyncio.sleep(backoff / 1000)
+                backoff = min(2 * backoff, cfg.reconnect_backoff_max_ms)
+
+
+async def reconnect_pause(cfg: KafkaConfig, attempt: int, stop: asyncio.Event | None = None) -> None:
+    """Sleep the ``attempt``-th (0-based) back-off of a service rebuilding its session:
+    ``kafka.reconnect_backoff_ms`` × 2**attempt, capped at ``kafka.reconnect_backoff_max_ms``; returns
+    early when ``stop`` is set."""
+    delay = min(cfg.reconnect_backoff_ms * 2 ** min(attempt, 20), cfg.reconnect_backoff_max_ms) / 1000
+    if stop is None:
+        await asyncio.sleep(delay)
+        return
+    try:
+        await asyncio.wait_for(stop.wait(), delay)
+    except asyncio.TimeoutError:
+        pass
+
+
+async def stop_clients(*clients, timeout_s: float = 5.0) -> None:
+    """Stop each client within ``timeout_s`` seconds (a producer with a dead broker would otherwise wait for
+    its unsent batches); errors are logged, never raised."""
+    for c in clients:
+        if c is None:
+            continue
+        try:
+            await asyncio.wait_for(c.stop(), timeout_s)
+        except asyncio.CancelledError:
+            # aiokafka's consumer re-raises the cancellation of its own coordinator task when the broker is
+            # gone; only a cancellation of the caller itself may propagate
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            log.info("closing %s: cancelled inside aiokafka", type(c).__name__)
+        except Exception as e:  # noqa: BLE001 - closing after a failure; best effort
+            log.info("closing %s: %r", type(c).__name__, e)
 
 
 async def commit_batch(consumer: AIOKafkaConsumer, batch: dict[TopicPartition, list[ConsumerRecord]]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import orjson
 from pydantic import (
@@ -24,6 +24,7 @@ from pydantic import (
 
 from shared.jsoncheck import MAX_JSON_DEPTH  # noqa: F401 - re-exported
 from shared.jsoncheck import check_json as _check_json
+from shared.jsoncheck import check_size as _check_size
 from shared.topics import POOL_PATTERN
 from shared.verifier_specs import (  # noqa: F401 - re-exported: the task schema's verifier specs
     ExactSpec,
@@ -42,6 +43,8 @@ from shared.verifier_specs import (  # noqa: F401 - re-exported: the task schema
 
 MAX_MESSAGE_CHARS = 100_000
 """Longest chat message accepted (characters); longer prompts cannot fit a policy's context anyway."""
+MAX_METADATA_BYTES = 1024 * 1024
+"""Largest ``metadata`` of a task (bytes of compact JSON)."""
 
 
 def _non_utf8_path(value: Any) -> str | None:
@@ -160,16 +163,16 @@ class TaskBody(BaseModel):
     """How the completion is scored, tagged by ``kind``."""
     samples_per_task: int = Field(8, ge=2, le=1024)
     """K: samples per training group (evaluation always uses one greedy sample)."""
-    difficulty: float = Field(0.0, allow_inf_nan=False)
-    """Difficulty estimate (domain-specific scale)."""
+    difficulty: float = Field(0.0, ge=-1e9, le=1e9, allow_inf_nan=False)
+    """Difficulty estimate (domain-specific scale, within ±1e9)."""
     split: Literal["train", "eval"] = "train"
     """``train`` tasks are sampled for training; ``eval`` tasks form the held-out evaluation."""
     max_turns: int = Field(1, ge=1, le=100)
     """Turns of the tool loop."""
-    tools: list[str] = Field(default_factory=list)
+    tools: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(default_factory=list, max_length=64)
     """Tool names the model may call."""
     metadata: dict[str, Any] = Field(default_factory=dict)
-    """Free-form metadata carried with the task (at most 32 levels deep)."""
+    """Free-form metadata carried with the task (at most 32 levels deep and 1 MiB as JSON)."""
     pool: str | None = Field(None, pattern=POOL_PATTERN)
     """Rollout pool whose replicas generate this task (``None``: its domain's pool, see
     ``shared.topics.rollout_requests``)."""
@@ -177,7 +180,7 @@ class TaskBody(BaseModel):
     @field_validator("metadata")
     @classmethod
     def _storable(cls, v: dict[str, Any]) -> dict[str, Any]:
-        return _check_json(v)
+        return _check_size(_check_json(v), MAX_METADATA_BYTES, "metadata")
 
     @model_validator(mode="before")
     @classmethod
@@ -204,9 +207,14 @@ def check_task_id(v: str) -> str:
 
 
 class Task(Record, TaskBody):
-    """flywheel.tasks, key task_id. Producer: scheduler (on registration). Consumers: analytics."""
+    """flywheel.tasks, key task_id. Producer: scheduler (on registration). Consumers: analytics.
+
+    Version 2 (issue 19): every field of the task and its verifier spec is bounded (sizes, numbers), and
+    ``kind`` is required in the spec's schema; RolloutRequest, Trajectory and ScoredTrajectory, which carry
+    a Task, are version 2 with it."""
 
     SCHEMA: ClassVar[str] = "flywheel.Task"
+    VERSION: ClassVar[int] = 2
     task_id: str = Field(min_length=1, max_length=512)
 
     @field_validator("task_id")
@@ -219,6 +227,7 @@ class RolloutRequest(Record):
     """flywheel.rollout.requests, key group_id. Producer: scheduler. Consumer: rollout."""
 
     SCHEMA: ClassVar[str] = "flywheel.RolloutRequest"
+    VERSION: ClassVar[int] = 2
     group_id: str
     task: Task
     n: int = Field(ge=1, le=1024)
@@ -253,6 +262,7 @@ class Trajectory(Record):
     """
 
     SCHEMA: ClassVar[str] = "flywheel.Trajectory"
+    VERSION: ClassVar[int] = 2
     trajectory_id: str
     group_id: str
     sample_index: int = Field(ge=0)
@@ -316,6 +326,7 @@ class ScoredTrajectory(Record):
     """flywheel.scored, key group_id. Producer: verifier. Consumer: trainer."""
 
     SCHEMA: ClassVar[str] = "flywheel.ScoredTrajectory"
+    VERSION: ClassVar[int] = 2
     trajectory: Trajectory
     reward: Reward
 

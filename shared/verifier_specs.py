@@ -15,26 +15,48 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from shared.jsoncheck import check_json
+from shared.jsoncheck import check_json, check_size
 
 COMPONENTS = ("correctness", "format", "tool_protocol", "safety", "truncation", "judge")
 """Names a recipe may gate on or weight."""
 
 EXTRACTIONS = Literal["last_number", "answer_tag", "boxed", "full"]
 
+MAX_PATTERN_CHARS = 10_000
+"""Longest regular expression accepted (characters). Compiling one this long takes at most ~60 ms
+(measured with the ``regex`` package: literals, alternations, groups, nested repeats), so the
+patterns of a request cost a bounded time; a 5 MB pattern took 26 s (issue 19)."""
+MAX_PATTERNS_CHARS = 100_000
+"""Most characters of all the ``extra_patterns`` of one safety rule together (~0.6 s to compile)."""
+MAX_TEXT_CHARS = 1_000_000
+"""Longest gold answer, reference or rubric-like text field of a spec (characters)."""
+MAX_CODE_CHARS = 4 * 1024 * 1024
+"""Longest test code or prefix (characters; the sandbox's own limit on a test's code)."""
+MAX_SPEC_JSON_BYTES = 1024 * 1024
+"""Largest free-form JSON value of a spec (``entry``, ``json_schema``, ``constraints``, a field's gold), as
+compact JSON (bytes)."""
+MAX_JSON_SCHEMA_BYTES = 64 * 1024
+"""Largest ``json_schema`` of a format rule (bytes of compact JSON; compiling it is validation work)."""
+
 
 def _check_regex(pattern: str) -> str:
     """``pattern`` unchanged when the ``regex`` package compiles it.
 
     Raises:
-        ValueError: it does not compile (the message names the pattern).
+        ValueError: it is longer than :data:`MAX_PATTERN_CHARS` or does not compile, including patterns
+            the compiler cannot handle at all (nested too deeply: RecursionError; the message names
+            the pattern's start).
     """
     import regex
 
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise ValueError(f"regular expression of {len(pattern)} characters is longer than {MAX_PATTERN_CHARS}")
     try:
         regex.compile(pattern)
     except regex.error as e:
-        raise ValueError(f"invalid regular expression {pattern!r}: {e}") from e
+        raise ValueError(f"invalid regular expression {pattern[:100]!r}: {e}") from None
+    except (RecursionError, OverflowError, MemoryError, ValueError, TypeError) as e:
+        raise ValueError(f"regular expression {pattern[:100]!r} cannot be compiled: {type(e).__name__}") from None
     return pattern
 
 
@@ -64,14 +86,15 @@ class FormatRule(BaseModel):
             import jsonschema
 
             check_json(v)
+            check_size(v, MAX_JSON_SCHEMA_BYTES, "json_schema")
             try:
                 jsonschema.Draft202012Validator.check_schema(v)
                 for probe in (None, {}, [], "", 0):  # reach every $ref: one that cannot resolve fails here
                     list(jsonschema.Draft202012Validator(v).iter_errors(probe))
             except jsonschema.SchemaError as e:
                 raise ValueError(f"not a valid JSON Schema: {e.message}") from e
-            except Exception as e:  # noqa: BLE001 - unresolvable $ref and the like
-                raise ValueError(f"JSON Schema cannot be applied: {type(e).__name__}: {e}") from e
+            except Exception as e:  # noqa: BLE001 - unresolvable $ref, RecursionError and the like
+                raise ValueError(f"JSON Schema cannot be applied: {type(e).__name__}: {str(e)[:200]}") from None
         return v
 
 
@@ -81,7 +104,7 @@ class ToolProtocolRule(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     rule: Literal["tool_protocol"] = "tool_protocol"
-    allowed_tools: list[str] | None = None
+    allowed_tools: list[Annotated[str, Field(min_length=1, max_length=128)]] | None = Field(None, max_length=256)
     """Allowed tool names; ``None`` = the task's ``tools``."""
     require_call: bool = False
     """At least one tool call must be present."""
@@ -101,8 +124,14 @@ class SafetyRule(BaseModel):
     @field_validator("extra_patterns")
     @classmethod
     def _compiles(cls, v: list[str]) -> list[str]:
-        for p in v:
-            _check_regex(p)
+        total = sum(len(p) for p in v)
+        if total > MAX_PATTERNS_CHARS:
+            raise ValueError(f"the patterns hold {total} characters together, more than {MAX_PATTERNS_CHARS}")
+        for i, p in enumerate(v):
+            try:
+                _check_regex(p)
+            except ValueError as e:
+                raise ValueError(f"pattern {i}: {e}") from None
         return v
 
 
@@ -125,10 +154,10 @@ class JudgeRubric(BaseModel):
     model_config = ConfigDict(extra="forbid")
     rubric: str = Field(min_length=1, max_length=20_000)
     """What a good response does; shown to the judge with the task and the response."""
-    scale_min: int = 0
+    scale_min: int = Field(0, ge=-100, le=99)
     scale_max: int = Field(10, ge=1, le=100)
     """The judge answers an integer in [scale_min, scale_max]; the component is its linear map to [0, 1]."""
-    reference: str | None = Field(None, max_length=100_000)
+    reference: str | None = Field(None, max_length=MAX_TEXT_CHARS)
     """A reference answer shown to the judge."""
 
     @model_validator(mode="after")
@@ -152,9 +181,10 @@ class Recipe(BaseModel):
     model_config = ConfigDict(extra="forbid")
     rules: list[RuleSpec] = Field(default_factory=list, max_length=16)
     judge: JudgeRubric | None = None
-    gates: list[str] = Field(default_factory=list)
+    gates: list[Annotated[str, Field(max_length=64)]] = Field(default_factory=list, max_length=16)
     """Components that must be exactly 1 (e.g. ``format``, ``safety``)."""
-    weights: dict[str, float] = Field(default_factory=lambda: {"correctness": 1.0})
+    weights: dict[Annotated[str, Field(max_length=64)], float] = Field(
+        default_factory=lambda: {"correctness": 1.0}, max_length=16)
     """Weight per component (≥ 0, at least one > 0)."""
     hack_policy: Literal["flag", "zero"] = "zero"
     """``zero``: a detected reward hack makes the total 0; ``flag``: it is only reported and counted."""
@@ -177,8 +207,16 @@ class Recipe(BaseModel):
 # ---------------------------------------------------------------- deterministic kinds
 
 
+def _kind_required(schema: dict[str, Any]) -> None:
+    """JSON Schema hook of the specs: ``kind`` is required (it is the discriminator of
+    :data:`VerifierSpec`; the model's default only serves code that builds one spec type directly)."""
+    req = schema.setdefault("required", [])
+    if "kind" not in req:
+        req.insert(0, "kind")
+
+
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_kind_required)
     recipe: Recipe | None = None
     """Per-task recipe; ``None`` = the verifier service's recipe for the task's domain."""
 
@@ -190,7 +228,7 @@ class ReasoningGymSpec(_Spec):
     """
 
     kind: Literal["reasoning_gym"] = "reasoning_gym"
-    dataset: str = Field(min_length=1)
+    dataset: str = Field(min_length=1, max_length=128)
     entry: dict[str, Any]
     extract: EXTRACTIONS = "last_number"
     """How the answer is taken from the completion before scoring (strict; no partial credit)."""
@@ -199,6 +237,7 @@ class ReasoningGymSpec(_Spec):
     @classmethod
     def _storable(cls, v: dict[str, Any]) -> dict[str, Any]:
         check_json(v)
+        check_size(v, MAX_SPEC_JSON_BYTES, "entry")
         if not isinstance(v.get("answer"), str):
             raise ValueError("entry needs 'answer', the dataset's gold answer as a string")
         return v
@@ -225,8 +264,9 @@ class MathSpec(_Spec):
     """
 
     kind: Literal["math"] = "math"
-    answer: str
-    """Gold answer (LaTeX or plain)."""
+    answer: str = Field(max_length=10_000)
+    """Gold answer (LaTeX or plain; at most 10,000 characters: parsing it with math-verify is validation
+    work whose time grows with its length)."""
     extraction: list[Literal["latex", "expr"]] = Field(default_factory=lambda: ["latex", "expr"], min_length=1,
                                                        max_length=2)
     """math-verify extraction targets for the model answer: ``latex`` (``LatexExtractionConfig``: ``$…$``,
@@ -261,7 +301,7 @@ class NamedTest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1, max_length=200)
-    code: str = Field(min_length=1)
+    code: str = Field(min_length=1, max_length=MAX_CODE_CHARS)
 
 
 class UnitTestsSpec(_Spec):
@@ -274,11 +314,12 @@ class UnitTestsSpec(_Spec):
     """
 
     kind: Literal["unit_tests"] = "unit_tests"
-    tests: str | list[NamedTest] = Field(min_length=1)
+    tests: Annotated[str, Field(min_length=1, max_length=MAX_CODE_CHARS)] | Annotated[
+        list[NamedTest], Field(min_length=1, max_length=1000)]
     """One test's code, or several named tests (each reported on its own)."""
     partial_credit: bool = False
-    entry_point: str | None = None
-    prefix: str = ""
+    entry_point: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    prefix: str = Field("", max_length=MAX_CODE_CHARS)
     language: Literal["python"] = "python"
     timeout_s: float | None = Field(None, gt=0, le=300)
 
@@ -287,7 +328,7 @@ class ExactSpec(_Spec):
     """Reward 1 when the stripped completion (or its extracted answer) equals ``answer``."""
 
     kind: Literal["exact"] = "exact"
-    answer: str
+    answer: str = Field(max_length=MAX_TEXT_CHARS)
     case_sensitive: bool = True
     extract: EXTRACTIONS = "full"
 
@@ -298,7 +339,7 @@ class RegexSpec(_Spec):
     (``verifier.regex_timeout_s``), so a pattern that backtracks catastrophically cannot stall the verifier."""
 
     kind: Literal["regex"] = "regex"
-    pattern: str
+    pattern: str = Field(max_length=MAX_PATTERN_CHARS)
 
     @field_validator("pattern")
     @classmethod
@@ -339,7 +380,7 @@ class FieldSpec(BaseModel):
     """How both sides are normalised: ``string`` case/whitespace-folded; ``number``/``amount`` parsed with
     units, currency, scale words (thousand, million, bn…) and accounting negatives; ``date`` to ISO
     YYYY-MM-DD from common formats; ``exact`` compared as JSON values."""
-    weight: float = Field(1.0, gt=0, le=1e6)
+    weight: float = Field(1.0, gt=0, le=1e6, allow_inf_nan=False)
     abs_tol: float = Field(0.0, ge=0, allow_inf_nan=False)
     rel_tol: float = Field(1e-9, ge=0, allow_inf_nan=False)
     day_first: bool = False
@@ -362,6 +403,7 @@ class FieldSpec(BaseModel):
         from shared.text import normalise_date, parse_number
 
         check_json(self.value)
+        check_size(self.value, MAX_SPEC_JSON_BYTES, "value")
         amount = self.type == "amount"
         if self.type in ("number", "amount") and parse_number(self.value, amount, single=True, accounting=amount) is None:
             raise ValueError(f"gold {self.value!r} is not a single number, so no answer could match it")
@@ -373,6 +415,9 @@ class FieldSpec(BaseModel):
         return self
 
 
+_FIELD_SETTINGS = set(FieldSpec.model_fields) - {"value"}
+
+
 class JsonFieldsSpec(_Spec):
     """Structured extraction: the response's JSON object (``<answer>`` content, a fenced ```json block
     or the first balanced ``{…}``) is compared field by field; score = weighted fraction of fields right.
@@ -381,13 +426,27 @@ class JsonFieldsSpec(_Spec):
     """
 
     kind: Literal["json_fields"] = "json_fields"
-    fields: dict[str, FieldSpec] = Field(min_length=1, max_length=1000)
+    fields: dict[Annotated[str, Field(min_length=1, max_length=512)], FieldSpec] = Field(min_length=1,
+                                                                                          max_length=1000)
 
     @field_validator("fields", mode="before")
     @classmethod
     def _bare_values(cls, v: Any) -> Any:
-        if isinstance(v, dict):  # {"revenue": 12.5} is {"revenue": {"value": 12.5}}
-            return {k: (f if isinstance(f, dict) and "value" in f else {"value": f}) for k, f in v.items()}
+        """A bare gold is its own ``value`` (``{"revenue": 12.5}`` is ``{"revenue": {"value": 12.5}}``).
+
+        Raises:
+            ValueError: an object with FieldSpec settings (``type``, ``weight``...) but no ``value``: the
+                gold is missing (it used to become the gold itself, an object no answer matches). A gold
+                that is itself such an object is written ``{"value": {...}}``.
+        """
+        if isinstance(v, dict):
+            out = {}
+            for k, f in v.items():
+                if isinstance(f, dict) and "value" not in f and set(f) & _FIELD_SETTINGS:
+                    raise ValueError(f"field {str(k)[:100]!r}: 'value' (the gold) is required beside "
+                                     f"{sorted(set(f) & _FIELD_SETTINGS)}")
+                out[k] = f if isinstance(f, dict) and "value" in f else {"value": f}
+            return out
         return v
 
 
@@ -409,6 +468,7 @@ class GeometrySpec(_Spec):
         from shared.scene import validate_constraint
 
         check_json(v)
+        check_size(v, MAX_SPEC_JSON_BYTES, "constraints")
         for i, c in enumerate(v):
             try:
                 validate_constraint(c)

@@ -96,6 +96,14 @@ def sandbox_url(tmp_path_factory):
                 pass
             assert time.monotonic() < deadline, "sandbox did not become healthy in 30 s"
             time.sleep(0.2)
-        yield url
+        # The sandbox requires its bearer token (written to <run dir>/auth_token at start-up); in-process
+        # clients (ToolRunner, Scorer) read $FLYWHEEL_AUTH__TOKEN_FILE. Not FLYWHEEL_AUTH__TOKEN: a LocalSystem
+        # started by a test would adopt that instead of writing its own token file.
+        mp = pytest.MonkeyPatch()
+        mp.setenv("FLYWHEEL_AUTH__TOKEN_FILE", str(run_dir / "auth_token"))
+        try:
+            yield url
+        finally:
+            mp.undo()
     finally:
         stop_pid(proc)

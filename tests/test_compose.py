@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -152,3 +153,88 @@ def test_the_grafana_dashboard_is_what_its_script_writes():
     assert all(t["datasource"]["uid"] == "flywheel-prometheus" for p in board["panels"] for t in p["targets"])
     prov = yaml.safe_load((ROOT / "examples/compose/grafana/provisioning/datasources/prometheus.yaml").read_text())
     assert prov["datasources"][0]["uid"] == "flywheel-prometheus"
+
+
+# ---------------------------------------------------------------- issue 19: access control in compose
+FLYWHEEL_CONTAINERS = [*SERVICES, "rollout-long", "job"]
+TOKEN_FILE = "/data/auth_token"
+
+
+def _compose_config(*files: str) -> dict:
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        pytest.skip("docker-compose binary not installed (apt-get install -y docker-compose)")
+    args = [a for f in files for a in ("-f", str(ROOT / f))]
+    out = subprocess.run([exe, *args, "config"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return yaml.safe_load(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def sasl() -> dict:
+    """docker-compose.yml with examples/compose/kafka-sasl.yml on top, resolved."""
+    return _compose_config("docker-compose.yml", "examples/compose/kafka-sasl.yml")
+
+
+def test_every_flywheel_container_reads_the_one_token_file_written_before_it_starts(compose):
+    svcs = compose["services"]
+    init = svcs["auth-token"]
+    assert "ensure_token_file" in " ".join(init["command"]) and repr(TOKEN_FILE) in " ".join(init["command"])
+    assert init["restart"] == "no" and not init.get("ports")
+    for name in FLYWHEEL_CONTAINERS:
+        env = svcs[name]["environment"]
+        assert env["FLYWHEEL_AUTH__TOKEN_FILE"] == TOKEN_FILE, name  # the verifier and rollout need it too
+        assert "FLYWHEEL_AUTH__TOKEN" not in env, name  # never in the environment
+        assert svcs[name]["depends_on"]["auth-token"]["condition"] == "service_completed_successfully", name
+        mounts = [(v.get("source"), v.get("target")) if isinstance(v, dict) else tuple(v.split(":")[:2])
+                  for v in svcs[name].get("volumes", [])]
+        assert ("flywheel-data", "/data") in mounts, (name, mounts)
+    assert env["FLYWHEEL_RUN__DIR"] == os.path.dirname(TOKEN_FILE)  # the embedded mode's <run dir>/auth_token
+
+
+def test_nothing_is_published_beyond_loopback_with_or_without_the_sasl_override(compose, sasl):
+    for cfg in (compose, sasl):
+        for name, svc in cfg["services"].items():
+            for host, published, _ in _published(svc):
+                assert host == "127.0.0.1", (name, published)
+    assert ("127.0.0.1", 8000, 8000) in _published(compose["services"]["scheduler"])
+
+
+def test_the_sasl_override_names_existing_kafka_fields_and_closes_the_open_listener(sasl):
+    from shared.config import KafkaConfig
+
+    svcs = sasl["services"]
+    kafka = svcs["kafka"]["environment"]
+    protocols = dict(p.split(":") for p in kafka["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"].split(","))
+    clients = [ln.split("://")[0] for ln in kafka["KAFKA_ADVERTISED_LISTENERS"].split(",")]
+    assert clients and all(protocols[ln] == "SASL_PLAINTEXT" for ln in clients), protocols
+    assert "PLAINTEXT://" not in kafka["KAFKA_LISTENERS"].replace("SASL_PLAINTEXT://", "")
+    assert kafka["KAFKA_SASL_ENABLED_MECHANISMS"] == "PLAIN"
+    assert "/run/secrets/kafka_server_jaas.conf" in kafka["KAFKA_OPTS"]
+    assert "--command-config /run/secrets/kafka_admin.properties" in svcs["kafka"]["healthcheck"]["test"][-1]
+    for name in ["scheduler", "rollout", "rollout-long", "verifier", "trainer"]:
+        env = svcs[name]["environment"]
+        fields = {k.removeprefix("FLYWHEEL_KAFKA__").lower(): v for k, v in env.items()
+                  if k.startswith("FLYWHEEL_KAFKA__")}
+        assert set(fields) <= set(KafkaConfig.model_fields), (name, set(fields) - set(KafkaConfig.model_fields))
+        cfg = KafkaConfig(**fields)  # the values validate
+        assert (cfg.security_protocol, cfg.sasl_mechanism) == ("SASL_PLAINTEXT", "PLAIN"), name
+        assert cfg.sasl_plain_password is None and "FLYWHEEL_KAFKA__SASL_PLAIN_PASSWORD" not in env, name
+        assert [s["source"] for s in svcs[name]["secrets"]] == ["kafka_password"], name
+        assert cfg.sasl_plain_password_file == "/run/secrets/kafka_password", name
+    for name in ["sandbox", "job"]:  # untrusted code / REST only: no broker password
+        assert not svcs[name].get("secrets") and "FLYWHEEL_KAFKA__SECURITY_PROTOCOL" not in svcs[name]["environment"]
+    for secret in sasl["secrets"].values():  # the operator's, outside the committed tree
+        assert Path(secret["file"]).parent == ROOT / ".secrets", secret
+    jaas = (ROOT / "examples/compose/kafka_server_jaas.conf.in").read_text()
+    user = svcs["trainer"]["environment"]["FLYWHEEL_KAFKA__SASL_PLAIN_USERNAME"]
+    assert f'user_{user}="@FLYWHEEL_PASSWORD@"' in jaas and "PlainLoginModule required" in jaas
+    assert "@ADMIN_PASSWORD@" in (ROOT / "examples/compose/kafka_admin.properties.in").read_text()
+
+
+def test_security_doc_covers_what_issue_19_asks():
+    doc = (ROOT / "docs/security.md").read_text()
+    for needle in ["Threat model", "auth_token", "FLYWHEEL_AUTH__TOKEN_FILE", "Rotation", "0700", "0600",
+                   "environment", "Tansu", "RewardEvent", "SASL_PLAINTEXT", "examples/compose/kafka-sasl.yml",
+                   "ACL", "mTLS"]:
+        assert needle in doc, needle

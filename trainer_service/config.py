@@ -74,7 +74,25 @@ class TrainerConfig(BaseModel):
     log-softmax stay float32 so importance ratios against the behaviour log-probs stay accurate.
     About 1.7x faster on a CPU core for SmolLM2 (benchmarks measured on 2 cores)."""
     keep_checkpoints: int = Field(3, ge=1, le=1000)
-    """Weight versions kept in the checkpoint store; older ones are deleted."""
+    """Weight versions kept in the checkpoint store; older ones are deleted. Only the newest complete version
+    keeps its optimizer and trainer state (what resume reads); the older ones keep their weights for rollout
+    engines that lag (``shared/checkpoint.py``)."""
+    drop_optimizer_on_finish: bool = False
+    """At ``budget.max_steps`` write the last version without its optimizer state (AdamW moments: twice the
+    weights, ~1.1 GB for SmolLM2), so a finished run keeps weights and counters only. Such a run can still be
+    restarted at ``max_steps`` (nothing left to train) but not continued past it: raising ``max_steps`` on it
+    is refused at start-up. Off by default so that a finished run can be extended exactly."""
+    disk_reserve_bytes: int = Field(256 * 1024 * 1024, ge=0, le=1 << 50)
+    """A checkpoint is written only when the checkpoint store's file system keeps at least this many bytes
+    free after it (bytes, for the logs, the registry and other processes). Otherwise the trainer takes no
+    new step, alerts ``critical`` (``run/disk_free`` on flywheel.alerts, the log, the
+    ``flywheel_trainer_disk_*`` gauges) and retries every ``disk_retry_s`` until space is freed
+    (``flywheel clean``); it never dies of a full disk and never leaves a half-written version."""
+    disk_warn_checkpoints: float = Field(3.0, ge=1.0, le=1000.0)
+    """Alert ``warning`` while fewer than this many more checkpoints (each the size of the one being written)
+    fit in the free space above ``disk_reserve_bytes``."""
+    disk_retry_s: float = Field(10.0, gt=0, le=3600)
+    """Seconds between free-space checks while a checkpoint waits for space."""
     seed: int = 0
     """Seed of torch and the trainer's RNG."""
 

@@ -25,16 +25,17 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from aiokafka import TopicPartition
 
 from shared import kafka, topics
-from shared.checkpoint import CheckpointStore, load_weights, snapshot_weights
+from shared.checkpoint import (CheckpointStore, DiskFullError, DiskLevel, DiskPolicy, checkpoint_bytes, load_weights,
+                               snapshot_weights)
 from shared.metrics import serve_metrics
 from shared.model import load_model, load_tokenizer, resolve_model_dir
-from shared.schemas import GroupDropped, Metrics, ScoredTrajectory
+from shared.schemas import Alert, GroupDropped, Metrics, ScoredTrajectory
 from shared.telemetry import flush_tracing
 from trainer_service.config import TrainerSettings
 from trainer_service.control import ControlState, poll_control, read_control_to_end
@@ -65,6 +66,8 @@ def build_trainer(config: TrainerSettings) -> tuple[PolicyTrainer, CheckpointSto
     tok = load_tokenizer(model_dir)
     trainer = PolicyTrainer(load_model(model_dir, cfg.dtype), cfg, tok.pad_token_id, config.budget.max_steps)
     store = CheckpointStore(config.run.path(config.run.checkpoint_dir), cfg.keep_checkpoints)
+    for p in store.remove_partial():  # a write interrupted by a crash or a full disk
+        log.warning("removed the partial checkpoint file %s", p)
     done: set[str] = set()
     complete, published = store.latest(), store.newest_published()
     if complete is not None:
@@ -72,6 +75,10 @@ def build_trainer(config: TrainerSettings) -> tuple[PolicyTrainer, CheckpointSto
         if state is None:
             raise RuntimeError(f"checkpoint v{complete.version} has weights but no trainer state")
         done = trainer.load_state_dict(state)
+        if not trainer.optimizer_restored and trainer.version < config.budget.max_steps:
+            raise RuntimeError(f"checkpoint v{complete.version} has no optimizer state (dropped when its run finished: "
+                               "trainer.drop_optimizer_on_finish or flywheel clean), so training cannot go on from it "
+                               f"exactly to budget.max_steps={config.budget.max_steps}; start a new run directory")
     if published is not None:
         load_weights(trainer.model, published)
         if complete is None or published.version != complete.version:
@@ -88,43 +95,129 @@ async def run(config: TrainerSettings, stop: asyncio.Event | None = None) -> Non
     """Run the trainer until ``stop`` is set (SIGTERM/SIGINT set it when ``stop`` is None); Prometheus
     metrics (:mod:`trainer_service.metrics`) are served on ``telemetry.metrics_port`` when it is set.
 
+    A broker outage never ends the trainer: a :class:`shared.kafka.BrokerWatch` notices the broker go away,
+    nothing more is committed on the old clients, and once the broker answers the Kafka clients are rebuilt
+    (:func:`_session`: topics re-created, the newest published version re-announced, flywheel.control read
+    to its end, the group re-joined) while the model, the optimizer and the ids of the groups already
+    trained stay in memory. A step being published meanwhile waits for the new producer (:meth:`Publisher._announce`).
+
     Raises:
         RuntimeError: the checkpoint store is inconsistent (:func:`build_trainer`).
-        aiokafka.errors.KafkaError: the broker cannot be reached at start-up.
     """
     stop, _ = kafka.prepare_service("trainer", config, stop)
     trainer, store, done = await asyncio.to_thread(build_trainer, config)
     buffer = GroupBuffer(config.budget.max_staleness, done, config.budget.resample_unsolved)
-    await kafka.ensure_topics(config.kafka)
-    producer = kafka.make_producer(config.kafka, "trainer")
-    consumer = kafka.make_consumer(config.kafka, topics.SCORED, group_id="trainer", client_id="trainer")
-    # no group, from the earliest offset: every start folds the whole topic
-    control_consumer = kafka.make_consumer(config.kafka, topics.CONTROL, group_id=None, client_id="trainer-control")
     prom = TrainerMetrics()
     prom.watch_version(lambda: trainer.version)
-    publisher = Publisher(config, store, buffer, producer, await _broadcaster(config), prom)
-    await producer.start()
-    latest = store.newest_published()
-    if latest is not None:  # re-announce: the broker may have lost the record (or it was never sent)
-        await (await kafka.send(producer, topics.WEIGHTS, latest, latest.model))
-    await consumer.start()
+    publisher = Publisher(config, store, buffer, None, await _broadcaster(config), prom)
     control = ControlState()
     metrics_server = serve_metrics(config.telemetry, prom.registry)
+    watch = kafka.BrokerWatch(config.kafka, "trainer")
+    held: dict[str, TrainLoop] = {}  # the TrainLoop, kept across sessions (a broken session raises, never returns)
     try:
-        await control_consumer.start()
-        await read_control_to_end(control_consumer, producer, control)
-        loop = TrainLoop(config, trainer, buffer, consumer, producer, publisher, control_consumer, control)
+        attempt = 0
         while not stop.is_set():
-            await loop.turn()
-        await loop.drain()  # graceful stop: finish announcing what was trained
+            if not await watch.wait_up(stop):
+                break
+            try:
+                await _session(config, watch, trainer, buffer, publisher, control, held, stop)
+                break  # stopped
+            except (kafka.BrokerLost, *kafka.BROKER_ERRORS) as e:
+                log.warning("broker unreachable, retrying (%r): nothing more is committed until the clients are "
+                            "rebuilt", e)
+                await kafka.reconnect_pause(config.kafka, attempt, stop)
+                attempt = attempt + 1 if watch.up else 0
     except asyncio.CancelledError:
         raise
     finally:
-        await asyncio.wait_for(_close(consumer, control_consumer, producer), timeout=15)
+        await watch.close()
         flush_tracing()
         if metrics_server is not None:
             metrics_server.close()
         log.info("trainer stopped at policy version %d", trainer.version)
+
+
+async def _session(config: TrainerSettings, watch: kafka.BrokerWatch, trainer: PolicyTrainer, buffer: GroupBuffer,
+                   publisher: "Publisher", control: ControlState, held: "dict[str, TrainLoop]",
+                   stop: asyncio.Event) -> "TrainLoop":
+    """The trainer's loop on one set of Kafka clients until ``stop``; then the step being published is
+    finished (:meth:`TrainLoop.drain`) and the loop returned. The clients are closed when this returns or
+    raises.
+
+    ``held`` keeps the :class:`TrainLoop` under ``"loop"`` from the moment it is made, so the next session finds
+    it even though a lost broker ends this one by raising (before, a rebuilt session never forgot the old
+    broker's offsets and could commit past records it had not read).
+    On a rebuild (``held["loop"]`` set) the step being published is first finished on the new producer, then what
+    the buffer held from the lost clients is forgotten (:func:`_forget_positions`): its offsets belong to the
+    old session, and the consumer starts again from the committed offsets (an empty broker: from the
+    earliest), as after a process restart.
+
+    Raises:
+        shared.kafka.BrokerLost: the broker went away (checked every turn and before every commit).
+        aiokafka.errors.KafkaError: a broker error (:data:`shared.kafka.BROKER_ERRORS`).
+    """
+    epoch = watch.epoch
+    loop = held.get("loop")
+    producer = consumer = control_consumer = None
+    try:
+        await kafka.ensure_topics(config.kafka)
+        producer = kafka.make_producer(config.kafka, "trainer")
+        consumer = kafka.make_consumer(config.kafka, topics.SCORED, group_id="trainer", client_id="trainer")
+        # no group, from the earliest offset: every start folds the whole topic
+        control_consumer = kafka.make_consumer(config.kafka, topics.CONTROL, group_id=None,
+                                               client_id="trainer-control")
+        await producer.start()
+        publisher.producer = producer
+        latest = publisher.store.newest_published()
+        if latest is not None:  # re-announce: the broker may have lost the record (or it was never sent)
+            await watch.guard(_send_and_wait(producer, topics.WEIGHTS, latest, latest.model), epoch)
+        if loop is not None and loop.publishing is not None and not loop.publishing.done():
+            await watch.guard(asyncio.shield(loop.publishing), epoch)
+        if loop is not None:
+            _forget_positions(buffer)
+        await consumer.start()
+        await control_consumer.start()
+        await read_control_to_end(control_consumer, producer, control)
+        if loop is None:
+            loop = held["loop"] = TrainLoop(config, trainer, buffer, consumer, producer, publisher, control_consumer,
+                                            control)
+        else:
+            loop.consumer, loop.producer, loop.control_consumer = consumer, producer, control_consumer
+            log.info("trainer resumed on the broker at policy version %d", trainer.version)
+        loop.commit_guard = lambda: watch.check(epoch)
+        while not stop.is_set():
+            watch.check(epoch)
+            await loop.turn()
+        if loop.publishing is not None:
+            await loop.drain()  # graceful stop: finish announcing what was trained, on these clients
+            loop.publishing = None
+        return loop
+    finally:
+        publisher.producer = None
+        await kafka.stop_clients(consumer, control_consumer, producer)
+
+
+async def _send_and_wait(producer, topic: str, record, key: str) -> None:
+    await (await kafka.send(producer, topic, record, key))
+
+
+def _forget_positions(buffer: GroupBuffer) -> None:
+    """Forget the partial and ready groups and the read and commit positions the buffer holds from the
+    previous Kafka clients (what a restarted trainer would not have either); keep the ids of the groups
+    trained or dropped (so none is trained twice) and the drops not yet announced. Their records are
+    redelivered from the committed offsets, or, when an empty broker lost them, re-issued by the scheduler.
+
+    (``GroupBuffer`` keeps no method for it; the attributes used are ``partial``, ``ready``, ``_pending`` and
+    ``_next`` of :class:`trainer_service.groups.GroupBuffer`.)
+    """
+    forgotten = len(buffer.partial) + len(buffer.ready)
+    buffer.partial.clear()
+    buffer.ready.clear()
+    buffer._pending.clear()
+    buffer._next.clear()
+    if forgotten:
+        log.warning("broker session rebuilt: %d partial or ready groups forgotten (redelivered or re-issued)",
+                    forgotten)
 
 
 async def _broadcaster(config: TrainerSettings):
@@ -167,6 +260,9 @@ class TrainLoop:
         self.last_step_end = self.last_report = time.perf_counter()
         self.pause_logged = False  # the current pause has been reported
         self.traces = GroupTraces()  # each group's trace ends in a train_group span (trained or dropped)
+        self.commit_guard: Callable[[], None] | None = None
+        """Called before every commit; raises (``shared.kafka.BrokerLost``) when the broker went away since the
+        clients were made, so offsets of a lost broker are never committed on its successor."""
 
     async def turn(self) -> None:
         """Intake (≤ 200 ms long-poll), control (no wait), drops, at most one step (none while training
@@ -192,7 +288,7 @@ class TrainLoop:
         if training:
             if control.training_paused:
                 self._report_pause()
-            elif len(buffer.ready) >= budget.batch_groups:
+            elif len(buffer.ready) >= budget.batch_groups and not self.publisher.disk_blocked:
                 await self._step()
             else:
                 self._report_stall()
@@ -221,6 +317,8 @@ class TrainLoop:
         unacknowledged (its records must come back after a crash)."""
         offsets = {TopicPartition(t, p): o for (t, p), o in self.buffer.commit_offsets().items()}
         if offsets and not self.buffer.has_drops:
+            if self.commit_guard is not None:
+                self.commit_guard()
             await self.consumer.commit(offsets)
 
     def _report_pause(self) -> None:
@@ -283,6 +381,10 @@ async def _announce_drops(producer, buffer: GroupBuffer, version: int) -> list[D
     except asyncio.CancelledError:
         buffer.return_drops(drops)
         raise
+    except kafka.PERMANENT_PRODUCE_ERRORS as e:  # no retry can send them: never block the commits on them
+        log.error("announcing %d dropped groups was refused (%r); not retried: the scheduler re-issues them at "
+                  "their deadline", len(drops), e)
+        return drops
     except Exception as e:  # noqa: BLE001 - broker trouble: keep the notices, retry on the next pass
         buffer.return_drops(drops)
         log.warning("announcing %d dropped groups failed (%r); retrying", len(drops), e)
@@ -327,47 +429,152 @@ class Publisher:
         self.config, self.store, self.buffer, self.producer, self.broadcaster = config, store, buffer, producer, broadcaster
         self.metrics = metrics if metrics is not None else TrainerMetrics()
         """Prometheus families, fed once per published step (and by :class:`TrainLoop`)."""
+        t = config.trainer
+        self.disk_policy = DiskPolicy(t.disk_reserve_bytes, t.disk_warn_checkpoints)
+        self.disk_blocked = False
+        """A checkpoint is waiting for disk space: :class:`TrainLoop` takes no new step meanwhile."""
+        self.disk_alerted: DiskLevel = "ok"
+        """The level of the last ``run/disk_free`` alert sent (``ok``: none firing)."""
+        self.disk_steady: DiskLevel = "ok"
+        """The last non-critical level of a whole version's check (``ok`` or ``warning``)."""
+
+    async def _announce(self, topic: str, record, key: str) -> None:
+        """Send ``record`` and wait for its ack, retrying a broker error (:data:`shared.kafka.BROKER_ERRORS`)
+        with the ``kafka.reconnect_backoff_ms`` back-off until it is acknowledged. :attr:`producer` is read
+        again on every attempt: the service replaces it after a broker outage (``None`` meanwhile), so a
+        version trained while the broker was away is announced on the broker that comes back."""
+        attempt = 0
+        while True:
+            producer = self.producer
+            try:
+                if producer is None:
+                    raise kafka.BrokerLost("no producer while the broker is away")
+                await (await kafka.send(producer, topic, record, key))
+                return
+            except (kafka.BrokerLost, *kafka.BROKER_ERRORS) as e:
+                if attempt == 0:
+                    log.warning("sending %s to %s failed (%r); retrying until the broker is back",
+                                type(record).__name__, topic, e)
+                await kafka.reconnect_pause(self.config.kafka, attempt)
+                attempt += 1
 
     async def publish(self, snap: StepSnapshot, previous: asyncio.Task | None) -> None:
         """Publish ``snap`` after ``previous`` (the previous version's publication) has finished.
 
+        Announcements wait out a broker outage (:meth:`_announce`).
+
         Raises:
             OSError: the checkpoint could not be written.
-            aiokafka.errors.KafkaError: an announcement could not be sent.
         """
         if previous is not None:
             await previous  # versions become durable and are announced in order
         store, metrics, broadcaster = self.store, snap.metrics, self.broadcaster
         t0 = time.perf_counter()
         ids = [g.group_id for g in snap.groups]
-        update = await asyncio.to_thread(store.save_weights, snap.weights, self.config.model.name, snap.version,
-                                         snap.step, ids)
+        if snap.version >= self.config.budget.max_steps and self.config.trainer.drop_optimizer_on_finish:
+            snap.state = {**snap.state, "optimizer": None}  # the run is finished: keep weights and counters only
+        need = max(checkpoint_bytes(snap.weights, snap.state), store.version_bytes(snap.version - 1))
+        update = await self._durable(lambda: store.save_weights(snap.weights, self.config.model.name, snap.version,
+                                                                snap.step, ids), need, snap.version)
         receivers = await asyncio.to_thread(broadcaster.live_receivers) if broadcaster else []
         if receivers:  # the file stays the fallback for anyone outside the session or whose session fails
             await asyncio.to_thread(broadcaster.prepare, snap.version, receivers, snap.weights)
             update = update.model_copy(update={"transport": "distributed", "receivers": receivers})
-        await (await kafka.send(self.producer, topics.WEIGHTS, update, update.model))
+        await self._announce(topics.WEIGHTS, update, update.model)
         metrics["time/publish_s"] = time.perf_counter() - t0  # step end → version announced, less the snapshot
         if receivers:
             res = await asyncio.to_thread(broadcaster.broadcast, snap.version, snap.weights, receivers)
             metrics["weights/broadcast_ok"] = float(res["ok"])
             metrics["weights/broadcast_receivers"] = float(len(receivers))
             metrics["time/broadcast_s"] = res["seconds"]
-        await asyncio.to_thread(store.save_trainer_state, update, snap.state)
+        await self._durable(lambda: store.save_trainer_state(update, snap.state),
+                            checkpoint_bytes({}, snap.state), snap.version, whole=False)
         metrics["time/checkpoint_s"] = time.perf_counter() - t0
         self.buffer.mark_trained(snap.groups)  # their offsets may be committed only now
         self.metrics.published(snap.groups, snap.version, metrics)
         rec = Metrics(source="trainer", step=snap.step, policy_version=snap.version, values=metrics)
-        await (await kafka.send(self.producer, topics.METRICS, rec, "trainer"))
+        await self._announce(topics.METRICS, rec, "trainer")
         # then one record per domain trained (same key: they follow the run-wide record in its partition)
         per_domain = [Metrics(source="trainer", step=snap.step, policy_version=snap.version, domain=d, values=v)
                       for d, v in domain_metrics(snap.groups, snap.version).items()]
-        await asyncio.gather(*[await kafka.send(self.producer, topics.METRICS, m, "trainer")
-                               for m in per_domain])
+        for m in per_domain:
+            await self._announce(topics.METRICS, m, "trainer")
         log.info("step %d -> policy version %d: reward %.3f loss %.4f (%.1f s train, %.1f s to announce, %.1f s to "
                  "checkpoint, %.1f s waited)", snap.step, snap.version, metrics["train/reward_mean"],
                  metrics["loss/pg"], metrics["time/train_step_s"], metrics["time/publish_s"],
                  metrics["time/checkpoint_s"], metrics["time/wait_for_data_s"])
+
+
+    async def _durable(self, write, need: int, version: int, whole: bool = True):
+        """``write()`` (a checkpoint phase) in a thread once the store's file system has ``need`` bytes free above
+        ``trainer.disk_reserve_bytes``; returns its result. ``whole``: ``need`` is the whole version (phase 1),
+        whose check also decides the ``warning`` level; phase 2 (its trainer state, ``whole=False``) can only
+        turn it critical, so the level does not flip between the phases of one version.
+
+        While it has not (or the write itself hits a full disk: :class:`shared.checkpoint.DiskFullError`, its
+        partial files already removed), :attr:`disk_blocked` holds (no new step), a critical alert is raised
+        and the check is retried every ``trainer.disk_retry_s``. Waiting rather than skipping the version:
+        rollout engines load only announced versions, so a trainer that trained on without publishing would
+        run ahead of them until every group arrived stale; waiting keeps the version order, the commit rule
+        and the previous complete checkpoint as they are, and goes on by itself once space is freed.
+        """
+        while True:
+            free = await asyncio.to_thread(self.store.free_bytes)
+            level = self.disk_policy.level(free, need)
+            if whole and level != "critical":
+                self.disk_steady = level
+            elif level != "critical":
+                level = self.disk_steady
+            if whole or level == "critical":
+                self.metrics.disk(free, need, level)
+            error = None
+            if level != "critical":
+                try:
+                    result = await asyncio.to_thread(write)
+                except DiskFullError as e:
+                    error, level = str(e), "critical"
+                else:
+                    self.disk_blocked = False
+                    await self._disk_alert(level, free, need, version)
+                    return result
+            self.disk_blocked = True
+            self.metrics.checkpoint_waits.inc()
+            await self._disk_alert(level, free, need, version, error)
+            await asyncio.sleep(self.config.trainer.disk_retry_s)
+
+    async def _disk_alert(self, level: DiskLevel, free: int, need: int, version: int, error: str | None = None) -> None:
+        """Log and send a ``run/disk_free`` :class:`Alert` (source ``trainer``) on flywheel.alerts when the level
+        changes (``ok`` again: ``resolved``). A failed send is logged only: the log and the gauges remain."""
+        if level == self.disk_alerted and error is None:
+            return
+        changed, previous = level != self.disk_alerted, self.disk_alerted
+        self.disk_alerted = level
+        root = self.store.root
+        if level == "critical":
+            msg = (f"checkpoint v{version} needs {need} bytes but {free} are free on {root} (reserve "
+                   f"{self.disk_policy.reserve_bytes}){': ' + error if error else ''}; no new step until space is freed "
+                   f"(retry every {self.config.trainer.disk_retry_s:g} s; flywheel clean removes finished runs' bulk)")
+            log.error(msg)
+        elif level == "warning":
+            msg = (f"{free} bytes free on {root}: fewer than {self.disk_policy.warn_checkpoints:g} checkpoints of "
+                   f"{need} bytes fit above the reserve; the trainer will stop stepping when one no longer fits")
+            log.warning(msg)
+        else:
+            msg = f"{free} bytes free on {root}: checkpoints fit again"
+            log.info(msg)
+        if not changed:
+            return
+        status = "resolved" if level == "ok" else "firing"
+        severity = previous if level == "ok" else level
+        alert = Alert(source="trainer", signal="disk_free", status=status, severity=severity, value=float(free),
+                      threshold=float(self.disk_policy.threshold(severity, need)), window=0, window_unit="steps",
+                      policy_version=version, message=msg[:4096],
+                      details={"path": str(root), "free_bytes": free, "need_bytes": need,
+                               "reserve_bytes": self.disk_policy.reserve_bytes})
+        try:
+            await (await kafka.send(self.producer, topics.ALERTS, alert, alert.key))
+        except Exception as e:  # noqa: BLE001 - the broker may be the trouble too; the log line stands
+            log.warning("could not send the disk alert (%r)", e)
 
 
 async def _close(*clients) -> None:

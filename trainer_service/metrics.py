@@ -53,6 +53,21 @@ class TrainerMetrics(ServiceMetrics):
             buckets=SECONDS_SLOW, registry=r)
         self.dlq = Counter("flywheel_trainer_dlq_records", "Records sent to flywheel.dlq, by source topic.",
                            ["topic"], registry=r)
+        self.disk_free_bytes = Gauge("flywheel_trainer_disk_free_bytes", "Free bytes on the checkpoint store's "
+                                     "file system at the last check (before each checkpoint write).", registry=r)
+        self.checkpoint_bytes = Gauge("flywheel_trainer_checkpoint_bytes", "Expected bytes of the checkpoint "
+                                      "being written (weights plus trainer state).", registry=r)
+        self.disk_level = Gauge("flywheel_trainer_disk_level", "Free-space level of the checkpoint store: 0 ok, "
+                                "1 warning, 2 critical (no checkpoint written, no step taken until space is "
+                                "freed).", registry=r)
+        self.checkpoint_waits = Counter("flywheel_trainer_checkpoint_waits", "Checkpoint writes deferred for lack "
+                                        "of disk space (each retried after trainer.disk_retry_s).", registry=r)
+
+    def disk(self, free: int, need: int, level: str) -> None:
+        """Record a free-space check: ``free`` bytes available, ``need`` bytes to write, its ``level``."""
+        self.disk_free_bytes.set(free)
+        self.checkpoint_bytes.set(need)
+        self.disk_level.set({"ok": 0, "warning": 1, "critical": 2}[level])
 
     def watch_version(self, version: Callable[[], int]) -> None:
         """Read the policy version gauge from ``version()`` at scrape time."""

@@ -229,6 +229,8 @@ class PolicyTrainer:
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_factor, cfg, max_steps))
         self.step = 0
         self.version = 0
+        self.optimizer_restored = True
+        """False after :meth:`load_state_dict` of a state whose optimizer moments were dropped."""
 
     # ------------------------------------------------------------------ one step
     def train_step(self, groups: list[Group]) -> dict[str, float]:
@@ -417,8 +419,15 @@ class PolicyTrainer:
         }
 
     def load_state_dict(self, state: dict) -> set[str]:
-        """Restore from :meth:`state_dict`; returns the ids of groups already trained or dropped."""
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Restore from :meth:`state_dict`; returns the ids of groups already trained or dropped.
+
+        ``state["optimizer"]`` may be ``None`` (dropped at the end of a finished run: the checkpoint store's
+        ``drop_optimizer_on_finish``, or ``flywheel clean``): the optimizer then keeps its fresh state, and
+        :attr:`optimizer_restored` is False so that the caller can refuse to train on from it.
+        """
+        self.optimizer_restored = state.get("optimizer") is not None
+        if self.optimizer_restored:
+            self.optimizer.load_state_dict(state["optimizer"])
         if "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.step, self.version = state["step"], state["version"]

@@ -20,12 +20,21 @@ from opentelemetry import trace
 
 from shared import topics
 from shared.kafka import (
+    BROKER_ERRORS,
+    BrokerLost,
+    BrokerWatch,
     commit_batch,
     decode_or_dead_letter,
+    ensure_topics,
     make_consumer,
     make_producer,
     prepare_service,
+    produce_or_dead_letter,
+    reconnect_pause,
+    record_size,
     send,
+    stop_clients,
+    unproducible_trajectory,
 )
 from shared.metrics import serve_metrics
 from shared.schemas import Metrics, Reward, RewardEvent, ScoredTrajectory, Trajectory
@@ -176,11 +185,16 @@ async def _handle(
         span.set_attribute("reward", reward.total)
         span.set_attribute("infra_error", reward.infra_error)
         span.set_attribute("passed", reward.passed)
-        futs = [
-            await send(producer, topics.SCORED, ScoredTrajectory(trajectory=traj, reward=reward), traj.group_id),
-            await send(producer, topics.REWARDS, reward_event(traj, reward, cost, scored_at), traj.task.task_id),
-        ]
-        await asyncio.gather(*futs)
+        unproducible = await produce_or_dead_letter(producer, msg, SERVICE, [
+            (topics.SCORED, ScoredTrajectory(trajectory=traj, reward=reward), traj.group_id),
+            (topics.REWARDS, reward_event(traj, reward, cost, scored_at), traj.task.task_id)])
+        if unproducible is not None:
+            span.set_attribute("unproducible", unproducible)
+            counters.add("dlq")
+            if prom is not None:
+                prom.dlq.labels(msg.topic).inc()
+            await _report_unproducible(producer, traj, unproducible, cost, scored_at)
+            return
     counters.add("scored")
     counters.add("score_seconds_total", dt)
     if reward.infra_error:
@@ -197,7 +211,35 @@ async def _handle(
              reward.total, reward.infra_error, dt)
 
 
+async def _report_unproducible(producer: Any, traj: Trajectory, reason: str, cost: dict[str, float],
+                               scored_at: float) -> None:
+    """After ``traj``'s scored result was dead-lettered (:func:`shared.kafka.produce_or_dead_letter`), tell
+    the pipeline the sample failed, in the records it already understands: a small ScoredTrajectory of
+    :func:`shared.kafka.unproducible_trajectory` with an ``infra_error`` reward (the trainer drops the group
+    as ``failed`` and announces a GroupDropped, so the scheduler gives the slot back at once) and its
+    RewardEvent (``infra_error``, ``reason``). If even the stand-in is too large (a huge task), only the
+    RewardEvent goes (logged).
+
+    Raises:
+        aiokafka.errors.KafkaError: a transient failure (the caller does not commit).
+    """
+    failed = Reward(total=0.0, infra_error=True, details={"reason": reason, "unproducible": True})
+    stand_in = ScoredTrajectory(trajectory=unproducible_trajectory(traj, reason), reward=failed)
+    out = [(topics.REWARDS, reward_event(traj, failed, cost, scored_at), traj.task.task_id)]
+    if record_size(stand_in.encode(), traj.group_id) <= getattr(producer, "_max_request_size", float("inf")):
+        out.insert(0, (topics.SCORED, stand_in, traj.group_id))
+    else:
+        log.error("trajectory %s: even its small stand-in is over kafka.max_request_size; only its RewardEvent is "
+                  "sent (its group waits in the trainer)", traj.trajectory_id)
+    futs = [await send(producer, t, r, k) for t, r, k in out]
+    await asyncio.gather(*futs)
+    log.error("trajectory %s of group %s could not be produced (%s): dead-lettered, reported as a failed sample",
+              traj.trajectory_id, traj.group_id, reason)
+
+
 async def _calibrate_periodically(vcfg: VerifierConfig, scorer: Scorer, producer: Any, stop: asyncio.Event) -> None:
+    # ``producer`` is a zero-argument callable returning the session's current producer (it is rebuilt
+    # after a broker outage).
     """Rescore the judge's labelled set every ``judge.calibration_every_s`` and publish its agreement
     (``judge/accuracy``, ``judge/mae``, ``judge/kappa``…) on flywheel.metrics; below
     ``judge.min_agreement`` log a drift alert. A failed round is logged and the loop goes on."""
@@ -209,7 +251,7 @@ async def _calibrate_periodically(vcfg: VerifierConfig, scorer: Scorer, producer
             items = await asyncio.to_thread(load_labelled, jc.calibration_file)
             report = await calibrate(scorer.judge, items, default_rubric=None)
             values = {f"judge/{k}": float(v) for k, v in report.items() if isinstance(v, (int, float)) and v is not None}
-            await (await send(producer, topics.METRICS, Metrics(source=SERVICE, values=values), SERVICE))
+            await (await send(producer(), topics.METRICS, Metrics(source=SERVICE, values=values), SERVICE))
             acc = report.get("accuracy")
             if acc is None or acc < jc.min_agreement:
                 log.warning("ALERT judge drift: agreement %s with %d labelled items is below %.2f (%s)", acc,
@@ -231,58 +273,102 @@ async def run(config: VerifierSettings, stop: asyncio.Event | None = None) -> No
 
     Consumes flywheel.trajectories in group ``config.verifier.consumer_group``, scores every
     record, produces ScoredTrajectory (key group_id) and RewardEvent (key task_id), then commits.
-    Malformed records go to flywheel.dlq. Publishes Metrics every ``metrics_interval_s`` seconds; serves
-    Prometheus metrics (:mod:`verifier_service.metrics`) on ``telemetry.metrics_port`` when it is set.
+    Malformed records go to flywheel.dlq; so does a trajectory whose scored result cannot be produced
+    (too large, or refused: :func:`shared.kafka.produce_or_dead_letter`), reported downstream as a failed
+    sample (:func:`_report_unproducible`) and committed past. Publishes Metrics every
+    ``metrics_interval_s`` seconds; serves Prometheus metrics (:mod:`verifier_service.metrics`) on
+    ``telemetry.metrics_port`` when it is set.
+
+    The broker may die and come back (empty) at any time: a :class:`shared.kafka.BrokerWatch` notices,
+    the batch in progress is abandoned uncommitted, and the Kafka clients are rebuilt once the broker
+    answers (topics re-created, the group re-joined), with a back-off of ``kafka.reconnect_backoff_ms``
+    doubling to ``kafka.reconnect_backoff_max_ms`` while it does not.
 
     Raises:
         asyncio.CancelledError: when the task is cancelled (clients are closed first).
-        aiokafka.errors.KafkaError: the broker cannot be reached or refuses a write (nothing is
-            committed for the batch in progress, so it is redelivered after a restart).
+        aiokafka.errors.KafkaError: the broker refused something in a way no reconnect cures (e.g. an
+            authentication failure); connection errors are retried, never raised.
     """
     vcfg = config.verifier
     stop, tracer = prepare_service(SERVICE, config, stop)
-    consumer = make_consumer(config.kafka, topics.TRAJECTORIES, group_id=vcfg.consumer_group, client_id=SERVICE)
-    producer = make_producer(config.kafka, client_id=SERVICE)
     scorer = Scorer(vcfg)
     counters = _Counters()
     prom = VerifierMetrics()
     metrics_server = serve_metrics(config.telemetry, prom.registry)
-    started = False
+    watch = BrokerWatch(config.kafka, SERVICE)
+    current: dict[str, Any] = {"producer": None}
+    calibration = None
     try:
-        await producer.start()
-        await consumer.start()
-        started = True
-        log.info("verifier started (group %s, sandbox %s)", vcfg.consumer_group, vcfg.sandbox_url)
-        next_metrics = time.monotonic() + vcfg.metrics_interval_s
-        calibration = None
-        if vcfg.judge.calibration_file and vcfg.judge.calibration_every_s > 0:
-            calibration = asyncio.create_task(_calibrate_periodically(vcfg, scorer, producer, stop))
+        attempt = 0
         while not stop.is_set():
-            batch = await consumer.getmany(timeout_ms=200, max_records=vcfg.max_batch)
-            if batch:
-                msgs = [m for part in batch.values() for m in part]
-                await asyncio.gather(*(_handle(m, producer, scorer, vcfg, tracer, counters, prom) for m in msgs))
-                await commit_batch(consumer, batch)
-                counters.add("batches")
-            if time.monotonic() >= next_metrics:
-                next_metrics = time.monotonic() + vcfg.metrics_interval_s
-                await (await send(producer, topics.METRICS, Metrics(source=SERVICE, values=counters.snapshot()),
-                                  SERVICE))
-        if calibration is not None:
-            calibration.cancel()
-            await asyncio.gather(calibration, return_exceptions=True)
+            if not await watch.wait_up(stop):
+                break
+            consumer = producer = None
+            try:
+                epoch = watch.epoch
+                await ensure_topics(config.kafka)
+                consumer = make_consumer(config.kafka, topics.TRAJECTORIES, group_id=vcfg.consumer_group,
+                                         client_id=SERVICE)
+                producer = make_producer(config.kafka, client_id=SERVICE)
+                await producer.start()
+                await consumer.start()
+                current["producer"] = producer
+                log.info("verifier %s (group %s, sandbox %s)", "resumed" if epoch else "started", vcfg.consumer_group,
+                         vcfg.sandbox_url)
+                attempt = 0
+                if calibration is None and vcfg.judge.calibration_file and vcfg.judge.calibration_every_s > 0:
+                    calibration = asyncio.create_task(
+                        _calibrate_periodically(vcfg, scorer, lambda: current["producer"], stop))
+                await _serve(vcfg, consumer, producer, watch, epoch, scorer, tracer, counters, prom, stop)
+            except (BrokerLost, *BROKER_ERRORS) as e:
+                counters.add("broker_reconnects")
+                log.warning("broker unreachable, retrying (%r); the batch in progress is not committed", e)
+                await reconnect_pause(config.kafka, attempt, stop)
+                attempt += 1
+            finally:
+                current["producer"] = None
+                await stop_clients(consumer, producer)
         log.info("verifier stopping: %s", counters.snapshot())
     except asyncio.CancelledError:
         log.info("verifier cancelled")
         raise
     finally:
+        if calibration is not None:
+            calibration.cancel()
+            await asyncio.gather(calibration, return_exceptions=True)
+        await watch.close()
         await scorer.close()
         flush_tracing()
         if metrics_server is not None:
             metrics_server.close()
-        for client in (consumer, producer):
-            try:
-                await client.stop()
-            except Exception:  # noqa: BLE001 - closing after a failure; keep the original error
-                if started:
-                    log.exception("closing %s failed", type(client).__name__)
+
+
+async def _serve(vcfg: VerifierConfig, consumer: Any, producer: Any, watch: BrokerWatch, epoch: int, scorer: Scorer,
+                 tracer: trace.Tracer, counters: _Counters, prom: VerifierMetrics, stop: asyncio.Event) -> None:
+    """The verifier's loop on one consumer and producer until ``stop``: take a batch, score and produce every
+    record, commit; Metrics every ``metrics_interval_s``.
+
+    Raises:
+        shared.kafka.BrokerLost: the broker went away (checked before each batch and before each commit; a
+            batch or commit waiting on the broker is cancelled then).
+        aiokafka.errors.KafkaError: a broker error (:data:`shared.kafka.BROKER_ERRORS`).
+    """
+    next_metrics = time.monotonic() + vcfg.metrics_interval_s
+    while not stop.is_set():
+        watch.check(epoch)
+        batch = await consumer.getmany(timeout_ms=200, max_records=vcfg.max_batch)
+        if batch:
+            msgs = [m for part in batch.values() for m in part]
+            await watch.guard(asyncio.gather(
+                *(_handle(m, producer, scorer, vcfg, tracer, counters, prom) for m in msgs)), epoch)
+            watch.check(epoch)  # never commit offsets of a broker that went away meanwhile
+            await watch.guard(commit_batch(consumer, batch), epoch)
+            counters.add("batches")
+        if time.monotonic() >= next_metrics:
+            next_metrics = time.monotonic() + vcfg.metrics_interval_s
+            await watch.guard(send_metrics(producer, counters), epoch)
+
+
+async def send_metrics(producer: Any, counters: _Counters) -> None:
+    """One Metrics record (source ``verifier``) of the running counters, acknowledged."""
+    await (await send(producer, topics.METRICS, Metrics(source=SERVICE, values=counters.snapshot()), SERVICE))

@@ -36,6 +36,8 @@ from typing import Any
 import httpx
 from opentelemetry import propagate
 
+from shared.auth import token_from_run_dir
+from shared.client import SANDBOX_RETRY_S, ApiStatusError, ApiUnreachable, AsyncApiClient, RetryPolicy, Token
 from shared.verifier_specs import (
     ExactSpec, GeometrySpec, JsonFieldsSpec, MathSpec, NumericSpec, ReasoningGymSpec, Recipe, RegexSpec,
     UnitTestsSpec,
@@ -251,14 +253,19 @@ class Scorer:
 
     Use from one asyncio event loop (any thread). Call :meth:`close` when done. Scoring never
     raises for the model's or the infrastructure's failures: both come back as a Reward.
+
+    ``token`` is the bearer token sent to the sandbox (or a function returning it); None:
+    ``$FLYWHEEL_AUTH__TOKEN``, else the file ``$FLYWHEEL_AUTH__TOKEN_FILE`` (set by the launcher), read at
+    each request until found.
     """
 
-    def __init__(self, cfg: VerifierConfig) -> None:
+    def __init__(self, cfg: VerifierConfig, token: Token = None) -> None:
         self.cfg = cfg
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._pool_lock = asyncio.Lock()
         self._math_slots = asyncio.Semaphore(cfg.math_workers)
-        self._http: httpx.AsyncClient | None = None
+        self._token = token if token is not None else (lambda: token_from_run_dir(None))
+        self._http: AsyncApiClient | None = None
         self.judge = JudgeClient(cfg.judge)
 
     def recipe_for(self, spec: Any, domain: str | None) -> Recipe:
@@ -459,21 +466,29 @@ class Scorer:
         Passed iff every test reports ``passed`` over the sandbox's private result channel (never from
         the program's stdout or exit code, so ``sys.exit(0)`` or a printed "passed" cannot pass).
         Unreachable sandbox, HTTP errors (503 included) and status ``infra_error`` give infra_error;
-        timeouts and limits of the program give 0. The W3C trace context travels in the request headers.
-        The request's wall seconds, answered or not, are added to ``cost["sandbox_seconds"]`` when
-        ``cost`` is given.
+        timeouts and limits of the program give 0. Within the request's time limit (``timeout_s + 30``
+        seconds in all) a refused connection (the sandbox restarting) and 503 (it admits no execution now)
+        are retried with backoff for up to ``shared.client.SANDBOX_RETRY_S``; a timeout after the request
+        was sent is not (the program would run twice). The
+        system's bearer token and the W3C trace context travel in the request headers. The request's wall
+        seconds, answered or not, are added to ``cost["sandbox_seconds"]`` when ``cost`` is given.
         """
         timeout_s = spec.timeout_s or self.cfg.code_timeout_s
         if self._http is None:
-            self._http = httpx.AsyncClient(base_url=self.cfg.sandbox_url.rstrip("/"))
+            self._http = AsyncApiClient(self.cfg.sandbox_url, self._token,
+                                        retry=RetryPolicy(retry_for_s=SANDBOX_RETRY_S, max_backoff_s=2.0))
         headers: dict[str, str] = {}
         propagate.inject(headers)
         t0 = time.perf_counter()
         try:
-            r = await self._http.post(
-                "/v1/execute", json=self.build_request(spec, completion, timeout_s), headers=headers,
-                timeout=httpx.Timeout(timeout_s + 30.0, connect=5.0),
+            r = await self._http.request(
+                "POST", "/v1/execute", json=self.build_request(spec, completion, timeout_s), headers=headers,
+                timeout=httpx.Timeout(timeout_s + 30.0, connect=5.0), deadline_s=timeout_s + 30.0,
             )
+        except ApiStatusError as e:
+            return infra(f"sandbox answered HTTP {e.status_code}", body=clip(e.detail))
+        except ApiUnreachable as e:
+            return infra(f"sandbox unreachable: {e}", sandbox_url=self.cfg.sandbox_url, http_attempts=e.attempts)
         except httpx.HTTPError as e:
             return infra(f"sandbox unreachable: {type(e).__name__}: {e}", sandbox_url=self.cfg.sandbox_url)
         finally:

@@ -30,9 +30,10 @@ from scheduler_service.dashboard_data import RewardSeries
 from scheduler_service.deps import StateDep
 from scheduler_service.domains import spent_on
 from scheduler_service.state import SchedulerState
+from shared.http import CheckedRoute
 from shared.spans import SpanStore
 
-router = APIRouter(tags=["dashboard"])
+router = APIRouter(tags=["dashboard"], route_class=CheckedRoute)
 
 STATIC = Path(__file__).resolve().parents[1] / "dashboard"
 """The page's files (package data of ``scheduler_service``)."""

@@ -8,9 +8,10 @@ config refuses or a level whose generator does not build.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Body, HTTPException, Path
+from fastapi import APIRouter, Body, HTTPException, Path, Query
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
@@ -21,8 +22,12 @@ from scheduler_service.generate import check_levels
 from scheduler_service.issuing import work_per_group
 from scheduler_service.models import DomainDetail, DomainPublic
 from scheduler_service.state import SchedulerState
+from shared.auth import AUTH, AUTH_RESPONSES
+from shared.http import CheckedRoute
 
-router = APIRouter(prefix="/v1/domains", tags=["domains"])
+router = APIRouter(prefix="/v1/domains", tags=["domains"], route_class=CheckedRoute)
+
+NOT_FOUND = {404: {"description": "Unknown domain."}}
 
 DomainName = Annotated[str, Path(pattern=DOMAIN_PATTERN)]
 _SPEND_KEYS = ("samples", "generated_tokens", "tool_rounds", "sandbox_seconds", "judge_calls")
@@ -87,7 +92,7 @@ def list_domains(state: StateDep) -> list[DomainPublic]:
     return domain_views(state)
 
 
-@router.get("/{domain}", response_model=DomainDetail)
+@router.get("/{domain}", response_model=DomainDetail, responses=NOT_FOUND)
 def get_domain(domain: DomainName, state: StateDep) -> DomainDetail:
     """One domain with its events and retired/flagged/duplicate task ids. Errors: 404 when unknown."""
     views = domain_views(state, domain)
@@ -105,8 +110,8 @@ async def _store(state: SchedulerState, domain: str, data: dict[str, Any]) -> Do
     Raises:
         RequestValidationError: the config or a level is refused (422; the ``loc`` names the field).
     """
-    try:
-        cfg = DomainConfig.model_validate(data)
+    try:  # strict (``"1"`` is no number, ``true`` none either), from JSON (where arrays are tuples)
+        cfg = DomainConfig.model_validate_json(json.dumps(data), strict=True)
     except ValidationError as e:
         raise RequestValidationError([{**er, "loc": ("body", *er["loc"])} for er in e.errors()]) from None
     problems = await asyncio.to_thread(check_levels, domain, cfg)
@@ -120,14 +125,14 @@ async def _store(state: SchedulerState, domain: str, data: dict[str, Any]) -> Do
     return domain_views(state, domain)[0]
 
 
-@router.put("/{domain}", response_model=DomainPublic)
+@router.put("/{domain}", response_model=DomainPublic, dependencies=AUTH, responses=AUTH_RESPONSES)
 async def put_domain(domain: DomainName, body: Annotated[dict[str, Any], Body()], state: StateDep) -> DomainPublic:
     """Create or replace a domain's config (fields not given take their defaults). Errors: 422 naming
     the field (nothing changes)."""
     return await _store(state, domain, body)
 
 
-@router.patch("/{domain}", response_model=DomainPublic)
+@router.patch("/{domain}", response_model=DomainPublic, dependencies=AUTH, responses={**AUTH_RESPONSES, **NOT_FOUND})
 async def patch_domain(domain: DomainName, body: Annotated[dict[str, Any], Body()], state: StateDep) -> DomainPublic:
     """Change some fields of a domain's config; nested sections merge key by key (``{"budget":
     {"samples": 100}}`` keeps the other caps). Errors: 404 when unknown, 422 naming the field (nothing
@@ -138,7 +143,8 @@ async def patch_domain(domain: DomainName, body: Annotated[dict[str, Any], Body(
     return await _store(state, domain, deep_merge(row.config.model_dump(mode="json"), body))
 
 
-@router.post("/{domain}/pause", response_model=DomainPublic)
+@router.post("/{domain}/pause", response_model=DomainPublic, dependencies=AUTH,
+             responses={**AUTH_RESPONSES, **NOT_FOUND})
 async def pause_domain(domain: DomainName, state: StateDep) -> DomainPublic:
     """Stop issuing a domain's training groups (state ``paused``; evaluation goes on; the trainer drops its
     groups in flight). Errors: 404."""
@@ -148,7 +154,8 @@ async def pause_domain(domain: DomainName, state: StateDep) -> DomainPublic:
     return domain_views(state, domain)[0]
 
 
-@router.post("/{domain}/resume")
+@router.post("/{domain}/resume", dependencies=AUTH,
+             responses={**AUTH_RESPONSES, 404: {"description": "The domain is unknown or not paused."}})
 async def resume_domain(domain: DomainName, state: StateDep) -> dict[str, str]:
     """Issue a paused domain's training groups again (after its tasks were fixed). Errors: 404 when the
     domain is not paused."""
@@ -160,9 +167,10 @@ async def resume_domain(domain: DomainName, state: StateDep) -> dict[str, str]:
     return {"domain": domain, "state": "resumed"}
 
 
-@router.post("/{domain}/breaker/{action}", response_model=DomainPublic, responses={404: {"description": "unknown"}})
+@router.post("/{domain}/breaker/{action}", response_model=DomainPublic, dependencies=AUTH,
+             responses={**AUTH_RESPONSES, **NOT_FOUND})
 async def breaker(domain: DomainName, action: Literal["open", "close"], state: StateDep,
-                  reason: str = "") -> DomainPublic:
+                  reason: Annotated[str, Query(max_length=1000)] = "") -> DomainPublic:
     """Force the domain's circuit breaker open (no automatic probe until closed) or close it now. Errors: 404."""
     from scheduler_service.routes.monitor import run_control
 

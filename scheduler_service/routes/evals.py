@@ -6,11 +6,14 @@ from fastapi import APIRouter, HTTPException, Path, status
 
 from scheduler_service.deps import StateDep
 from scheduler_service.models import EvalCreate, EvalRoundId, EvalRoundPublic
+from shared.auth import AUTH, AUTH_RESPONSES
+from shared.http import CheckedRoute
 
-router = APIRouter(prefix="/v1/evals", tags=["evals"])
+router = APIRouter(prefix="/v1/evals", tags=["evals"], route_class=CheckedRoute)
 
 
-@router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=EvalRoundId)
+@router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=EvalRoundId, dependencies=AUTH,
+             responses={**AUTH_RESPONSES, 409: {"description": "No eval-split task is registered."}})
 def create_eval(body: EvalCreate, state: StateDep) -> EvalRoundId:
     """Create a round; the sampler sends its requests. Errors: 409 when no eval task is registered."""
     mpv = state.registry.policy_version if body.min_policy_version is None else body.min_policy_version
@@ -26,7 +29,7 @@ def list_evals(state: StateDep) -> list[EvalRoundPublic]:
     return [EvalRoundPublic(**r) for r in state.registry.eval_rounds()]
 
 
-@router.get("/{round_id}", response_model=EvalRoundPublic)
+@router.get("/{round_id}", response_model=EvalRoundPublic, responses={404: {"description": "Unknown eval round."}})
 def get_eval(round_id: Annotated[int, Path(ge=0, le=2**62)], state: StateDep) -> EvalRoundPublic:
     """One eval round. Errors: 404 when unknown."""
     r = state.registry.eval_round(round_id)

@@ -4,9 +4,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from scheduler_service.deps import StateDep
+from shared.http import CheckedRoute
 from shared.metrics import render
 
-router = APIRouter(tags=["metrics"])
+router = APIRouter(tags=["metrics"], route_class=CheckedRoute)
 
 
 @router.get("/metrics", response_class=Response)

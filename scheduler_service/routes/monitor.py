@@ -15,9 +15,11 @@ from scheduler_service.deps import StateDep
 from scheduler_service.guard import ControlError
 from scheduler_service.models import AlertsPublic, ControlBody
 from scheduler_service.state import SchedulerState
+from shared.auth import AUTH, AUTH_RESPONSES
+from shared.http import CheckedRoute
 from shared.schemas import Control
 
-router = APIRouter(tags=["monitor"])
+router = APIRouter(tags=["monitor"], route_class=CheckedRoute)
 
 
 def _alert_json(a) -> dict[str, Any]:
@@ -25,8 +27,9 @@ def _alert_json(a) -> dict[str, Any]:
 
 
 @router.get("/v1/alerts", response_model=AlertsPublic)
-def get_alerts(state: StateDep, domain: str | None = None,
-               severity: Literal["info", "warning", "critical"] | None = None, signal: str | None = None,
+def get_alerts(state: StateDep, domain: Annotated[str | None, Query(max_length=256)] = None,
+               severity: Literal["info", "warning", "critical"] | None = None,
+               signal: Annotated[str | None, Query(max_length=64)] = None,
                limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -> AlertsPublic:
     """Alerts firing now (``active``) and the newest ``limit`` records (``recent``, firing and resolved,
     newest first), optionally of one domain, severity or signal."""
@@ -81,7 +84,7 @@ async def run_control(state: SchedulerState, body: dict[str, Any]) -> dict[str, 
                                        "input": body.get("threshold")}]) from None
 
 
-@router.post("/v1/control", responses={404: {"description": "unknown domain"}})
+@router.post("/v1/control", dependencies=AUTH, responses={**AUTH_RESPONSES, 404: {"description": "Unknown domain."}})
 async def post_control(body: ControlBody, state: StateDep) -> dict[str, Any]:
     """Apply one operator command (``pause_domain``, ``resume_domain``, ``open_breaker``, ``close_breaker``,
     ``set_threshold``, ``pause_training``, ``resume_training``) and publish it on flywheel.control.
@@ -89,8 +92,9 @@ async def post_control(body: ControlBody, state: StateDep) -> dict[str, Any]:
     return await run_control(state, body.model_dump(exclude_none=True))
 
 
-@router.post("/v1/training/{action}")
-async def training(action: Literal["pause", "resume"], state: StateDep, reason: str = "") -> dict[str, Any]:
+@router.post("/v1/training/{action}", dependencies=AUTH, responses=AUTH_RESPONSES)
+async def training(action: Literal["pause", "resume"], state: StateDep,
+                   reason: Annotated[str, Query(max_length=1000)] = "") -> dict[str, Any]:
     """Pause training run-wide (no training groups issued, the trainer takes no step, so its newest
     checkpoint is the last good one; evaluation goes on) or resume it."""
     return await run_control(state, {"command": f"{action}_training", "reason": reason})

@@ -4,8 +4,9 @@ from fastapi import APIRouter
 
 from scheduler_service.deps import StateDep
 from scheduler_service.models import EvalRoundPublic, MetricsRecord, Staleness, StatusPublic
+from shared.http import CheckedRoute
 
-router = APIRouter(tags=["status"])
+router = APIRouter(tags=["status"], route_class=CheckedRoute)
 
 
 @router.get("/v1/status", response_model=StatusPublic)

@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from flywheel.launcher import LocalSystem  # noqa: E402
+from shared.auth import auth_headers, token_from_run_dir  # noqa: E402
 from tests.support import drift as h  # noqa: E402
 from tests.verifier_service.scripted_judge import ScriptedJudgeServer  # noqa: E402
 
@@ -136,6 +137,10 @@ class Run:
     def url(self) -> str:
         return self.system.scheduler_url
 
+    def patch(self, domain: str, body: dict) -> dict:
+        """PATCH /v1/domains/{domain} with this system's token."""
+        return h.patch_domain(self.url, domain, body, token=token_from_run_dir(self.system.run_dir))
+
     @property
     def db(self) -> Path:
         return self.system.run_dir / "flywheel-registry.db"
@@ -221,7 +226,8 @@ def _trip_and_recover(run: Run, domain: str, inject, remove) -> Trip:
                    f"{domain}'s breaker to close after its probe")
     finally:
         if h.breaker(url, domain).get("state", "closed") != "closed":  # leave the system clean for the next fault
-            httpx.post(f"{url}/v1/domains/{domain}/breaker/close", timeout=30)
+            httpx.post(f"{url}/v1/domains/{domain}/breaker/close", timeout=30,
+                       headers=auth_headers(token_from_run_dir(system.run_dir)))
     alerts = _alerts_since(run, t_fault, domain)
     trip = Trip(domain, t_fault, t_in_force, v_fault, t_removed, alerts, seen_open,
                 opened=_breaker_alert(alerts, "open"), half_open=_breaker_alert(alerts, "half_open"),
@@ -369,8 +375,8 @@ def test_healthy_baseline_is_diverse_short_and_passes_at_a_moderate_rate(run):
 def test_samples_collapsing_to_one_answer_trip_diversity_collapse(run):
     _warm(run)
     d = "same"
-    trip = _trip_and_recover(run, d, lambda: h.patch_domain(run.url, d, {"temperature": h.COLD}),
-                             lambda: h.patch_domain(run.url, d, {"temperature": None}))
+    trip = _trip_and_recover(run, d, lambda: run.patch(d, {"temperature": h.COLD}),
+                             lambda: run.patch(d, {"temperature": None}))
     _report(run, d, _check_trip(run, trip, by_issue=True))
 
 
@@ -378,8 +384,8 @@ def test_samples_collapsing_to_one_answer_trip_diversity_collapse(run):
 def test_completions_growing_to_the_token_budget_trip_truncation_rate(run):
     _warm(run)
     d = "long"
-    trip = _trip_and_recover(run, d, lambda: h.patch_domain(run.url, d, {"temperature": h.HOT}),
-                             lambda: h.patch_domain(run.url, d, {"temperature": None}))
+    trip = _trip_and_recover(run, d, lambda: run.patch(d, {"temperature": h.HOT}),
+                             lambda: run.patch(d, {"temperature": None}))
     _report(run, d, _check_trip(run, trip, by_issue=True))
 
 

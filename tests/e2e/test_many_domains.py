@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from flywheel.launcher import LocalSystem
+from shared.auth import auth_headers, token_from_run_dir
 from shared.model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,8 +102,10 @@ def test_a_hundred_domains_mix_by_weight_learn_by_level_and_retire_saturated_tas
         # a weight change and a pause over REST shift the shares at once
         heavy, paused = "basic_arithmetic", "leg_counting"
         n0 = len(_issued(db))
-        assert httpx.patch(f"{url}/v1/domains/{heavy}", json={"weight": 40.0}, timeout=30).status_code == 200
-        assert httpx.post(f"{url}/v1/domains/{paused}/pause", timeout=30).status_code == 200
+        auth = auth_headers(token_from_run_dir(system.run_dir))  # the mutating routes want the system's token
+        assert httpx.patch(f"{url}/v1/domains/{heavy}", json={"weight": 40.0}, headers=auth,
+                           timeout=30).status_code == 200
+        assert httpx.post(f"{url}/v1/domains/{paused}/pause", headers=auth, timeout=30).status_code == 200
         weights[heavy] = 40.0
         del weights[paused]
         nxt = _wait(lambda: (g := _issued(db)) and len(g) >= n0 + 60 and g, 600, system, "60 more groups")

@@ -19,13 +19,16 @@ from scheduler_service.api import create_app
 from scheduler_service.registry import Registry
 from scheduler_service.state import SchedulerState
 from shared import topics
+from shared.auth import auth_headers, token_from_run_dir
 from shared.config import RunConfig
 from shared.schemas import Control
 
 
 @pytest.fixture
-def scheduler_url(tmp_path):
-    """A scheduler (REST only, registry in ``tmp_path``) with one task of domain ``toy``, on a free port."""
+def scheduler_url(tmp_path, monkeypatch):
+    """A scheduler (REST only, registry in ``tmp_path``) with one task of domain ``toy``, on a free port. Its
+    token (written to ``tmp_path/auth_token`` when the scheduler checks tokens) is in ``$FLYWHEEL_AUTH__TOKEN``
+    for the CLI."""
     import uvicorn
 
     cfg = FlywheelConfig(run=RunConfig(dir=str(tmp_path)))
@@ -40,9 +43,13 @@ def scheduler_url(tmp_path):
         assert time.monotonic() < deadline and thread.is_alive(), "the scheduler did not start"
         time.sleep(0.02)
     url = f"http://127.0.0.1:{port}"
+    token = token_from_run_dir(tmp_path)
+    if token:
+        monkeypatch.setenv("FLYWHEEL_AUTH__TOKEN", token)
     task = {"domain": "toy", "prompt": [{"role": "user", "content": "say a"}],
             "verifier": {"kind": "regex", "pattern": "^a"}, "samples_per_task": 2}
-    assert httpx.post(f"{url}/v1/tasks", json={"tasks": [task]}, timeout=30).status_code == 202
+    assert httpx.post(f"{url}/v1/tasks", json={"tasks": [task]}, headers=auth_headers(token),
+                      timeout=30).status_code == 202
     try:
         yield url
     finally:
@@ -100,11 +107,27 @@ def test_a_refused_command_prints_the_field_and_exits_1(scheduler_url):
     assert r.exit_code == 0 and orjson.loads(r.output)["thresholds"]["critical"] == 0.9, r.output
 
 
-def test_an_unreachable_scheduler_exits_1():
+def test_an_unreachable_scheduler_exits_1_after_retrying():
     url = f"http://127.0.0.1:{free_port()}"
     for args in (("alerts",), ("control", "pause_training")):
-        r = cli(*args, "--url", url)
+        t0 = time.monotonic()
+        r = cli(*args, "--url", url, "--retry", "1")
         assert r.exit_code == 1 and "scheduler unreachable" in r.output, r.output
+        assert "attempts" in r.output and "ConnectError" in r.output and time.monotonic() - t0 >= 1.0, r.output
+
+
+def test_the_token_comes_from_the_run_dir_and_a_401_says_where_it_comes_from(scheduler_url, tmp_path,
+                                                                             monkeypatch):
+    if not (tmp_path / "auth_token").exists():
+        pytest.skip("this scheduler checks no token")
+    monkeypatch.delenv("FLYWHEEL_AUTH__TOKEN", raising=False)
+    monkeypatch.delenv("FLYWHEEL_AUTH__TOKEN_FILE", raising=False)
+    r = cli("control", "open_breaker", "--domain", "toy", "--url", scheduler_url, "--run-dir", str(tmp_path))
+    assert r.exit_code == 0 and orjson.loads(r.output)["applied"] is True, r.output  # <run dir>/auth_token
+    r = cli("control", "close_breaker", "--domain", "toy", "--url", scheduler_url)  # no token anywhere
+    assert r.exit_code == 1 and "401" in r.output and "no token was sent" in r.output, r.output
+    assert "FLYWHEEL_AUTH__TOKEN" in r.output and "FLYWHEEL_AUTH__TOKEN_FILE" in r.output
+    assert "auth_token" in r.output
 
 
 def test_a_kafka_command_is_checked_before_it_is_sent():

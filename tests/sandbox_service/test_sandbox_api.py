@@ -172,3 +172,68 @@ def test_bad_interpreter_refuses_to_start():
     with pytest.raises(RuntimeError, match="no worker started"):
         with TestClient(create_app(SandboxConfig(python="/nonexistent/python3"))):
             pass
+
+
+TOKEN = "sandbox-test-token-0123456789abcdef"
+
+
+def test_execute_needs_the_token_when_the_app_has_one():
+    """Issue 19, item 8: any local process could run code in the sandbox. With a token (what
+    ``sandbox_service.main`` always passes), ``POST /v1/execute`` answers 401 without it; reads stay open."""
+    from shared.auth import SCHEME_NAME, auth_headers
+
+    app = create_app(SandboxConfig(max_concurrency=1), auth_token=TOKEN)
+    with TestClient(app) as c:
+        for headers in ({}, {"Authorization": "Bearer not-the-token-0123456789"}, {"Authorization": TOKEN}):
+            r = c.post("/v1/execute", json={"code": "print(1)"}, headers=headers)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", (headers, r.text)
+        r = c.post("/v1/execute", json={"code": "print(1)"}, headers=auth_headers(TOKEN))
+        assert r.status_code == 200 and r.json()["stdout"] == "1\n"
+        assert c.get("/healthz").status_code == 200 and c.get("/metrics").status_code == 200
+        doc = c.get("/openapi.json").json()
+        for path, ops in doc["paths"].items():
+            for method, op in ops.items():
+                assert (op.get("security") == [{SCHEME_NAME: []}]) == (method == "post"), (method, path)
+        assert {"400", "401", "413", "422", "503"} <= set(doc["paths"]["/v1/execute"]["post"]["responses"])
+
+
+def test_main_builds_the_app_with_the_servers_token(tmp_path, monkeypatch):
+    """``sandbox_service.main`` passes ``server_token(auth, run)``: a token file in the run directory, mode 0600."""
+    import inspect
+
+    import sandbox_service.main as main
+    from shared.auth import server_token
+    from shared.config import RunConfig
+    from sandbox_service.config import SandboxSettings
+
+    settings = SandboxSettings(run=RunConfig(dir=str(tmp_path)))
+    token = server_token(settings.auth, settings.run)
+    assert (tmp_path / "auth_token").read_text().strip() == token
+    assert (tmp_path / "auth_token").stat().st_mode & 0o077 == 0
+    assert "auth_token=server_token(config.auth, config.run)" in inspect.getsource(main.run)
+
+
+def test_chunked_body_over_the_limit_is_413_and_bad_json_400_naming_where(client):
+    """A body without Content-Length was refused with 411; now it is counted while received (413 past the
+    limit, served otherwise). Invalid UTF-8 and deep nesting get a 400 that says what and where."""
+    cfg = SandboxConfig(max_concurrency=1, max_request_bytes=4096)
+    with TestClient(create_app(cfg)) as c:
+        big = json.dumps({"code": "print(1)", "stdin": "x" * 10_000}).encode()
+        r = c.post("/v1/execute", content=iter([big[i:i + 1000] for i in range(0, len(big), 1000)]),
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 413, r.text
+        small = json.dumps({"code": "print(2)"}).encode()
+        r = c.post("/v1/execute", content=iter([small]), headers={"content-type": "application/json"})
+        assert r.status_code == 200 and r.json()["stdout"] == "2\n", r.text
+    r = client.post("/v1/execute", content=b'{"code": "print(\xc3(1)"}', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid UTF-8: byte 16" in r.text, r.text
+    r = client.post("/v1/execute", content=b'{"code": "1", "files": ' + b"[" * 100 + b"]" * 100 + b"}",
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "deeper than 64 levels at $.files" in r.text, r.text
+
+
+def test_a_huge_invalid_body_is_not_echoed(client):
+    """Issue 19, item 5: a 64 MB invalid body came back whole in the 422; now an excerpt of 200 characters."""
+    r = client.post("/v1/execute", json={"code": 7, "stdin": ["x" * 1_000_000]})
+    assert r.status_code == 422 and len(r.content) < 3000, len(r.content)
+    assert "characters)" in r.text

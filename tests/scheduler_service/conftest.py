@@ -13,6 +13,7 @@ from scheduler_service.api import create_app
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.registry import Registry
 from scheduler_service.state import SchedulerState
+from shared.auth import auth_headers
 from shared.config import BudgetConfig, KafkaConfig, RunConfig
 
 
@@ -33,7 +34,8 @@ def make_config(tmp_path):
 
 @pytest.fixture
 def running():
-    """``async with running(config, kafka=...) as (client, state)``: app started, closed on exit."""
+    """``async with running(config, kafka=...) as (client, state)``: app started, closed on exit; the client
+    sends the app's bearer token (``client.headers``; drop it to test the 401s)."""
 
     @asynccontextmanager
     async def run(config: FlywheelConfig, kafka: bool = True):
@@ -43,7 +45,8 @@ def running():
         try:
             async with app.router.lifespan_context(app):
                 transport = httpx.ASGITransport(app=app)
-                async with httpx.AsyncClient(transport=transport, base_url="http://scheduler") as client:
+                async with httpx.AsyncClient(transport=transport, base_url="http://scheduler",
+                                             headers=auth_headers(getattr(app.state, "auth_token", None))) as client:
                     yield client, state
         finally:
             registry.close()

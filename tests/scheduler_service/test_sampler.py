@@ -408,3 +408,30 @@ async def test_alerts_breaker_and_control_round_trip_through_the_broker(make_con
         assert pub
         r = await client.post("/v1/training/resume")
         assert r.status_code == 200 and state.sampler.training_allowed() is True
+
+
+async def test_an_eval_group_whose_request_can_never_be_produced_is_abandoned_with_the_reason(
+        make_config, kafka_cfg, unique, running, task):
+    """Issue 19, item 5: an eval round whose send fails was left ``issued`` for 3 × group_deadline_s. A request
+    larger than the producer's limit (``kafka.max_request_size``) can never be sent: its group is abandoned at
+    once with the reason, the round finishes, and the small item of the same round is sent as usual."""
+    from shared.config import KafkaConfig
+    from shared.schemas import Task
+
+    kafka = KafkaConfig(bootstrap_servers=kafka_cfg.bootstrap_servers, partitions=kafka_cfg.partitions,
+                        max_request_size=4096)
+    small, big = f"{unique}-small", f"{unique}-big"
+    cfg = _cfg(make_config, kafka, unique, group_deadline_s=600)
+    async with running(cfg) as (client, state):
+        reg = state.registry
+        reg.register_tasks([Task.model_validate({**task(small, split="eval"), "task_id": small}),
+                            Task.model_validate({**task(big, split="eval", prompt=[{"role": "user",
+                                                                                   "content": "x" * 20000}]),
+                                                 "task_id": big})])
+        rid = reg.create_eval_round(0)
+        row = await wait_for(lambda: (g := reg.get_group(f"{big}:0")) and g["state"] == "abandoned" and g, 10)
+        assert row, reg.get_group(f"{big}:0")
+        assert "MessageSizeTooLargeError" in row["abandon_reason"], row
+        assert reg.get_group(f"{small}:0")["state"] == "issued"
+        r = reg.eval_round(rid)
+        assert r["abandoned"] == 1 and not r["done"]  # only the small item's reward is outstanding

@@ -14,7 +14,7 @@ def _task(**kw):
 def test_task_round_trip_keeps_schema_and_discriminated_verifier():
     t = _task(verifier={"kind": "math", "answer": "1/2"}, metadata={"x": [1, 2]})
     obj = orjson.loads(t.encode())
-    assert obj["schema"] == "flywheel.Task" and obj["schema_version"] == 1
+    assert obj["schema"] == "flywheel.Task" and obj["schema_version"] == Task.VERSION == 2
     back = decode(t.encode(), Task)
     assert back == t and back.verifier.kind == "math"
 
@@ -37,7 +37,7 @@ def test_trajectory_round_trip_and_alignment_check():
     [
         (b"not json", "not JSON"),
         (b"[1, 2]", "not a JSON object"),
-        (b'{"schema": "flywheel.Task", "schema_version": 1}', "task_id"),
+        (b'{"schema": "flywheel.Task", "schema_version": 2}', "task_id"),
         (b'{"schema": "flywheel.Other", "schema_version": 1}', "schema is"),
     ],
 )

@@ -188,8 +188,12 @@ def get(url: str, path: str, **params) -> dict | list:
     return r.json()
 
 
-def patch_domain(url: str, domain: str, body: dict) -> dict:
-    r = httpx.patch(f"{url}/v1/domains/{domain}", json=body, timeout=30)
+def patch_domain(url: str, domain: str, body: dict, token: str | None = None) -> dict:
+    """PATCH a domain's settings; ``token`` defaults to the one :func:`shared.auth.token_from_run_dir` finds."""
+    from shared.auth import auth_headers, token_from_run_dir
+
+    headers = auth_headers(token or token_from_run_dir(None))
+    r = httpx.patch(f"{url}/v1/domains/{domain}", json=body, headers=headers, timeout=30)
     r.raise_for_status()
     return r.json()
 

@@ -25,6 +25,7 @@ import yaml
 
 from flywheel.cli import submit_tasks
 from flywheel.launcher import LocalSystem
+from shared.auth import auth_headers, token_from_run_dir
 from shared.model import build_tiny_model
 
 MIN_VERSION = 3
@@ -75,8 +76,8 @@ def _tasks() -> list[dict]:
     return out
 
 
-def _eval_round(url: str) -> int:
-    r = httpx.post(f"{url}/v1/evals", json={}, timeout=30)
+def _eval_round(url: str, token: str | None) -> int:
+    r = httpx.post(f"{url}/v1/evals", json={}, headers=auth_headers(token), timeout=30)
     r.raise_for_status()
     return r.json()["eval_round"]
 
@@ -112,12 +113,13 @@ def observed(tmp_path_factory) -> Observed:
     system = LocalSystem.start(cfg, root / "run", timeout_s=240)
     try:
         url = system.scheduler_url
-        submit_tasks(url, _tasks())
-        rounds = [_eval_round(url)]
+        token = token_from_run_dir(system.run_dir)  # the system's token: the mutating routes want it
+        submit_tasks(url, _tasks(), token=token)
+        rounds = [_eval_round(url, token)]
         _wait(lambda: _eval_done(url, rounds[0]), 300, system, "the first eval round")
         _wait(lambda: (_status(url).get("policy_version") or 0) >= MIN_VERSION, 400, system,
               f"policy version {MIN_VERSION}")
-        rounds.append(_eval_round(url))
+        rounds.append(_eval_round(url, token))
         _wait(lambda: _eval_done(url, rounds[1]), 300, system, "the second eval round")
         yield Observed(system, system.run_dir, url, rounds)
     finally:
