@@ -103,9 +103,12 @@ def tasks(n: int, sleep_s: float, samples: int = 4) -> list[dict]:
     return out
 
 
-def submit(url: str, bodies: list[dict]) -> None:
-    """``POST /v1/tasks``; raises when any task was stored as a duplicate or refused."""
-    r = httpx.post(f"{url}/v1/tasks", json={"tasks": bodies}, timeout=60)
+def submit(url: str, bodies: list[dict], token: str | None = None) -> None:
+    """``POST /v1/tasks`` with the system's bearer token (``LocalSystem.token``); raises when any task was
+    stored as a duplicate or refused."""
+    from shared.auth import auth_headers
+
+    r = httpx.post(f"{url}/v1/tasks", json={"tasks": bodies}, headers=auth_headers(token), timeout=60)
     r.raise_for_status()
     dup = r.json().get("duplicates")
     if dup:
@@ -241,7 +244,7 @@ def run_order(order: str, model_dir: Path, work: Path, args: argparse.Namespace)
         wait_for(lambda: serving(system), 240, system, "the rollout service to serve")
         print(f"[{order}] system serving after {time.monotonic() - t_start:.0f} s", flush=True)
         url = system.scheduler_url
-        submit(url, tasks(args.tasks, args.sleep))
+        submit(url, tasks(args.tasks, args.sleep), system.token)
         wait_for(lambda: all(domains(url).get(d, {}).get("completed", 0) >= 1 for d in DOMAINS),
                  args.warmup_timeout, system, "a completed group of each domain")
         start, t0 = domains(url), time.time()

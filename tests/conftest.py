@@ -85,6 +85,7 @@ def sandbox_url(tmp_path_factory):
     proc = subprocess.Popen([sys.executable, "-m", "sandbox_service"], env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
+    _SANDBOX_RUN_DIRS[url] = run_dir
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -96,14 +97,19 @@ def sandbox_url(tmp_path_factory):
                 pass
             assert time.monotonic() < deadline, "sandbox did not become healthy in 30 s"
             time.sleep(0.2)
-        # The sandbox requires its bearer token (written to <run dir>/auth_token at start-up); in-process
-        # clients (ToolRunner, Scorer) read $FLYWHEEL_AUTH__TOKEN_FILE. Not FLYWHEEL_AUTH__TOKEN: a LocalSystem
-        # started by a test would adopt that instead of writing its own token file.
-        mp = pytest.MonkeyPatch()
-        mp.setenv("FLYWHEEL_AUTH__TOKEN_FILE", str(run_dir / "auth_token"))
-        try:
-            yield url
-        finally:
-            mp.undo()
+        yield url
     finally:
         stop_pid(proc)
+
+
+@pytest.fixture(autouse=True)
+def _sandbox_token(request, monkeypatch):
+    """For a test that uses ``sandbox_url`` only: ``$FLYWHEEL_AUTH__TOKEN_FILE`` names that sandbox's token
+    (written to its run dir at start-up), which in-process clients (ToolRunner, Scorer) read. Set per test,
+    never for the session: settings loaded by other tests would adopt it."""
+    if "sandbox_url" in request.fixturenames:
+        url = request.getfixturevalue("sandbox_url")
+        monkeypatch.setenv("FLYWHEEL_AUTH__TOKEN_FILE", str(_SANDBOX_RUN_DIRS[url] / "auth_token"))
+
+
+_SANDBOX_RUN_DIRS: dict = {}

@@ -175,7 +175,7 @@ def run(tmp_path_factory):
             h.wait_for(lambda: _serving(system), 240, system, "the rollout service to serve")
             print(f"\n[drift] taught in {t_taught:.0f} s, serving after {time.monotonic() - t0:.0f} s; answer odds "
                   f"{probs}", flush=True)
-            h.submit(system.scheduler_url, h.tasks(16))
+            h.submit(system.scheduler_url, h.tasks(16), system.token)
             yield Run(system, judge, probs, pid)
         finally:
             try:

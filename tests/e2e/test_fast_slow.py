@@ -52,7 +52,7 @@ def test_cost_order_mixes_a_slow_tool_domain_with_a_fast_one_without_starving_ei
     try:
         wait_for(lambda: serving(system), 180, system, "the rollout service to serve")
         url = system.scheduler_url
-        submit(url, tasks(32, sleep_s=1.0))
+        submit(url, tasks(32, sleep_s=1.0), system.token)
         d = wait_for(lambda: _enough(url), 150, system, "both domains' groups")
         records = wait_for(lambda: [r for r in rollout_metrics(system) if "rollout/idle_fraction" in r["values"]],
                            60, system, "a rollout Metrics record with rollout/idle_fraction", every_s=2.0)

@@ -20,7 +20,8 @@ def test_module_serves_and_stops_on_sigterm(tmp_path):
         "FLYWHEEL_SANDBOX__HOST": "127.0.0.1",
         "FLYWHEEL_RUN__DIR": str(tmp_path),
     }
-    env.pop("FLYWHEEL_CONFIG", None)
+    for k in ("FLYWHEEL_CONFIG", "FLYWHEEL_AUTH__TOKEN", "FLYWHEEL_AUTH__TOKEN_FILE"):
+        env.pop(k, None)
     log = open(tmp_path / "stderr.txt", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "sandbox_service"], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -28,7 +29,11 @@ def test_module_serves_and_stops_on_sigterm(tmp_path):
         base = f"http://127.0.0.1:{port}"
         health = httpx.get(f"{base}/healthz", timeout=10).json()
         assert health["status"] == "ok"
-        res = httpx.post(f"{base}/v1/execute", json={"code": "print(6 * 7)"}, timeout=30).json()
+        assert httpx.post(f"{base}/v1/execute", json={"code": "print(6 * 7)"}, timeout=30).status_code == 401
+        token = (tmp_path / "auth_token").read_text().strip()  # written by the service at start-up, mode 0600
+        assert (tmp_path / "auth_token").stat().st_mode & 0o777 == 0o600
+        res = httpx.post(f"{base}/v1/execute", json={"code": "print(6 * 7)"}, timeout=30,
+                         headers={"Authorization": f"Bearer {token}"}).json()
         assert res["status"] == "ok"
         assert res["stdout"] == "42\n"
         assert res["network_isolated"] == health["network_isolated"]
