@@ -676,6 +676,31 @@ class Registry(DomainTables, MonitorTables):
                     out.append(self._issued(db, row))
         return out
 
+    def resend_unanswered(self, before: float, deadline_s: float) -> list[IssuedGroup]:
+        """After a restart of the scheduler itself: the groups ``issued`` before ``before`` (Unix s, the process
+        start) with no reward yet, to send again with the same attempt (a new deadline, ``deadline_s`` from now).
+
+        A group's row is written ``issued`` before its request is produced, so a kill -9 between the two leaves
+        a group the broker never saw; it used to hold its budget slot until ``scheduler.group_deadline_s``
+        (measured: the run stalled at its last step for 600 s). Which ones were sent is not known here, so every
+        unanswered one is sent again; a duplicate request gives the same trajectory ids, whose rewards are
+        counted once (:meth:`record_reward`) and whose samples the trainer trains once. The cost: at most the
+        in-flight groups, ``(η + 1) · B``, generated twice per scheduler restart.
+        """
+        now = time.time()
+        out = []
+        with self._tx() as db:
+            rows = db.execute(
+                'SELECT group_id FROM "groups" g WHERE state = \'issued\' AND dropped IS NULL AND issued_at < ?'
+                " AND NOT EXISTS (SELECT 1 FROM rewards r WHERE r.group_id = g.group_id) ORDER BY rowid",
+                (before,)).fetchall()
+            for r in rows:
+                db.execute('UPDATE "groups" SET issued_at = ?, deadline = ? WHERE group_id = ?',
+                           (now, now + deadline_s, r["group_id"]))
+                row = db.execute('SELECT * FROM "groups" WHERE group_id = ?', (r["group_id"],)).fetchone()
+                out.append(self._issued(db, row))
+        return out
+
     def in_flight_count(self, before: float | None = None) -> int:
         """Groups ``issued`` and not dropped (requests the broker holds or a service works on), only those sent
         before ``before`` (Unix s) when given."""

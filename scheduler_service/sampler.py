@@ -463,7 +463,10 @@ class Sampler:
 
     async def _broker_loop(self) -> None:
         """Every :data:`BROKER_CHECK_INTERVAL_S`: has :data:`MARKER_TOPIC` vanished? Then the broker lost its
-        topics (or restarted while this process was down, with groups in flight): :meth:`broker_restarted`."""
+        topics (or restarted while this process was down, with groups in flight): :meth:`broker_restarted`.
+        The first check, with the topics there, sends again the groups this process's predecessor left in flight
+        unanswered (``Registry.resend_unanswered``: a kill -9 between writing a group and producing it)."""
+        resent = False
         while not self._stop.is_set():
             admin = None
             try:
@@ -490,6 +493,13 @@ class Sampler:
                     self._marker_seen = True
             else:
                 self._marker_seen = True
+            if not resent:  # the first check: the broker kept its topics, this process restarted
+                resent = True
+                groups = self.registry.resend_unanswered(self._started_at, self.cfg.scheduler.group_deadline_s)
+                if groups:
+                    log.warning("restarted with %d unanswered groups in flight (perhaps never sent): sending them "
+                                "again", len(groups))
+                    await self._send(groups)
             await self._sleep(BROKER_CHECK_INTERVAL_S)
 
     # ------------------------------------------------------------ consuming

@@ -108,8 +108,9 @@ def _sandbox_token(request, monkeypatch):
     (written to its run dir at start-up), which in-process clients (ToolRunner, Scorer) read. Set per test,
     never for the session: settings loaded by other tests would adopt it."""
     if "sandbox_url" in request.fixturenames:
-        url = request.getfixturevalue("sandbox_url")
-        monkeypatch.setenv("FLYWHEEL_AUTH__TOKEN_FILE", str(_SANDBOX_RUN_DIRS[url] / "auth_token"))
+        run_dir = _SANDBOX_RUN_DIRS.get(request.getfixturevalue("sandbox_url"))
+        if run_dir is not None:  # None: a module's own ``sandbox_url`` fixture, which handles its token itself
+            monkeypatch.setenv("FLYWHEEL_AUTH__TOKEN_FILE", str(run_dir / "auth_token"))
 
 
 _SANDBOX_RUN_DIRS: dict = {}

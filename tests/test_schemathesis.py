@@ -78,7 +78,7 @@ def scheduler_url(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sandbox_url():
+def sandbox_api_url():
     """The sandbox with its worker pool (degraded isolation allowed: the check is of the HTTP contract)."""
     url, server, thread = _serve(create_sandbox(SandboxConfig(max_concurrency=2, allow_degraded=True,
                                                               default_timeout_s=2.0), auth_token=TOKEN))
@@ -108,8 +108,8 @@ def scheduler_schema(scheduler_url):
 
 
 @pytest.fixture(scope="module")
-def sandbox_schema(sandbox_url):
-    return _schema(sandbox_url)
+def sandbox_schema(sandbox_api_url):
+    return _schema(sandbox_api_url)
 
 
 BOUNDED = settings(max_examples=MAX_EXAMPLES, deadline=None, phases=[Phase.explicit, Phase.generate],

@@ -10,8 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from scheduler_service.deps import StateDep
 from shared.auth import AUTH, AUTH_RESPONSES
+from shared.http import CheckedRoute
 
-router = APIRouter(prefix="/v1/system", tags=["system"])
+router = APIRouter(prefix="/v1/system", tags=["system"], route_class=CheckedRoute)
 
 
 class BrokerRestart(BaseModel):

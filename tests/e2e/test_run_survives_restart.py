@@ -71,6 +71,9 @@ def test_flywheel_run_survives_a_kill_9_of_the_scheduler(tiny, tmp_path):
         except subprocess.TimeoutExpired:
             logs = "".join(f"\n--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
                            for p in sorted((run_dir / "logs").glob("*.out")))
+            if os.environ.get("FLYWHEEL_TEST_KEEP_LOGS"):  # the whole logs, for a hang's post-mortem
+                import shutil
+                shutil.copytree(run_dir / "logs", os.environ["FLYWHEEL_TEST_KEEP_LOGS"], dirs_exist_ok=True)
             raise AssertionError("the run did not end 240 s after the kill\n" + out.read_text()[-3000:] + logs) from None
         log = out.read_text()
         print(f"killed the scheduler at v{st['policy_version']} {t_kill - t0:.1f} s after the start; the run ended "

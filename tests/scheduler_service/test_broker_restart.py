@@ -229,3 +229,38 @@ def _task(task, task_id: str, **kw):
     from shared.schemas import Task
 
     return Task.model_validate({**task(task_id, **kw), "task_id": task_id})
+
+
+async def test_a_restarted_scheduler_sends_again_the_groups_its_predecessor_left_unanswered(
+        make_config, unique, running, task, private_broker):
+    """A kill -9 of the scheduler between writing a group ``issued`` and producing its request left a group the
+    broker never saw; the next process waited ``group_deadline_s`` (600 s) for it, and the run's last step with
+    it (seen in CI: 2 such groups held the last step's budget). Now the first broker check of the new process
+    sends every unanswered group again, same attempt; a group with a reward (surely sent) is left alone."""
+    broker, _ = private_broker
+    kafka = _kafka(broker)
+    await ensure_topics(kafka, [*topics.ALL, sampler_mod.MARKER_TOPIC])  # the broker kept its topics
+    cfg = _config(make_config, kafka, unique, group_deadline_s=600)
+    from scheduler_service.registry import Registry
+
+    ids = [f"{unique}-lost", f"{unique}-answered"]
+    before = Registry.from_url(cfg.scheduler.database_url, cfg.run)  # the killed process's registry
+    try:
+        before.register_tasks([_task(task, t) for t in ids])
+        lost, answered = (before.issue_train_groups([t], deadline_s=600)[0] for t in ids)
+        before.record_reward(RewardEvent(
+            task_id=ids[1], group_id=answered.group_id, trajectory_id=f"{answered.group_id}:1:0", sample_index=0,
+            group_size=answered.n, domain="toy", difficulty=0.5, purpose="train", attempt=1, reward=0.0,
+            passed=False, completion_tokens=4, finish_reason="stop", policy_version=0))
+    finally:
+        before.close()
+    time.sleep(0.05)
+    async with running(cfg) as (client, state):
+        t0 = time.monotonic()
+        got = await _requests(kafka, lambda r: r.task.task_id in ids, 2, 12)
+        took = time.monotonic() - t0
+        assert [(r.group_id, r.attempt) for r in got] == [(lost.group_id, 1)], got
+        print(f"unanswered group sent again {took:.1f} s after the scheduler started")
+        row = state.registry.get_group(lost.group_id)
+        assert row["state"] == "issued" and row["attempt"] == 1 and row["deadline"] > time.time() + 500
+        assert state.registry.get_group(answered.group_id)["attempt"] == 1

@@ -260,6 +260,9 @@ def test_openapi_lists_the_statuses_and_requires_kind(make_config):
     assert "404" in paths["/v1/tasks/{task_id}"]["get"]["responses"]
     assert "404" in paths["/v1/evals/{round_id}"]["get"]["responses"]
     assert "404" in paths["/v1/domains/{domain}"]["patch"]["responses"]
+    with_body = [(p, m) for p, ops in paths.items() for m, op in ops.items() if "requestBody" in op]
+    assert ("/v1/system/broker-restarted", "post") in with_body  # a router once lacked the checked route class
+    assert [(p, m) for p, m in with_body if "400" not in paths[p][m]["responses"]] == []
     schemas = doc["components"]["schemas"]
     assert paths["/v1/tasks"]["post"]["requestBody"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/TaskBatchCreate"}
