@@ -233,6 +233,9 @@ def _summarise(result: dict, report: Path | None) -> None:
     before, after = result["eval"]["before"], result["eval"]["after"]
     console.print(f"held-out greedy accuracy: {_fmt(before)} -> {_fmt(after)} in {result['steps']} steps, "
                   f"{result['wall_seconds']:.0f} s")
+    rss = result.get("peak_rss_bytes") or {}
+    if rss:
+        console.print("peak RSS: " + ", ".join(f"{n} {b / 2**20:.0f} MiB" for n, b in sorted(rss.items())))
     if report:
         png = write_report(report, result)
         console.print(f"report: {report} (plot {png})")
@@ -367,6 +370,8 @@ def _report(system: LocalSystem, api: SchedulerApi, cfg, t0: float, before: dict
         # what the run generated per split (samples, generated_tokens, ...): what `flywheel budget` estimates
         "cost": status.get("cost"),
         "wall_seconds": wall,
+        # bytes, VmHWM of each process (the highest over its restarts; the sandbox without its workers)
+        "peak_rss_bytes": system.sample_rss(),
         "alerts": alert_summary(api.get("/v1/alerts", params={"limit": 10_000})),
         "history": [{"step": h["step"], "policy_version": h["policy_version"],
                      "mean_reward": h["values"].get("train/reward_mean"), "time": h["time"], **h["values"]}

@@ -132,12 +132,37 @@ def make_admin(cfg: KafkaConfig, client_id: str = "flywheel-admin") -> AIOKafkaA
     return AIOKafkaAdminClient(**client_options(cfg), client_id=client_id)
 
 
-async def ensure_topics(cfg: KafkaConfig, names: Iterable[str] = topics.ALL) -> None:
-    """Create the topics that do not exist yet, with the partition counts of ``shared.topics``.
+class TopicLayoutError(RuntimeError):
+    """Topics exist with fewer partitions than the system is configured for (``short``: name → (have, want)).
+
+    A topic a client touched before anyone created it is auto-created by the broker with the broker's default
+    count (Tansu: 4), which caps the consumers of a group at that count (``../shared/notes/tansu-broker.md``);
+    Tansu cannot add partitions (no CreatePartitions), so the fix is to delete the topic or start a fresh
+    broker."""
+
+    def __init__(self, short: dict[str, tuple[int, int]]) -> None:
+        self.short = short
+        super().__init__("topics with fewer partitions than configured (kafka.partitions): " + ", ".join(
+            f"{n} has {have}, wants {want}" for n, (have, want) in sorted(short.items()))
+            + "; a client created them before the system did: delete them or start a fresh broker")
+
+
+async def ensure_topics(cfg: KafkaConfig, names: Iterable[str] = topics.ALL, strict: bool = False
+                        ) -> dict[str, tuple[int, int]]:
+    """Create the topics that do not exist yet, with the partition counts of ``shared.topics``, then check the
+    partition count of every one of ``names``.
+
+    Returns:
+        The topics with fewer partitions than :func:`shared.topics.partitions_for` wants, name → (have, want);
+        each is logged as an error (consumers past ``have`` in a group stay idle). More partitions than wanted
+        are fine.
 
     Raises:
+        TopicLayoutError: ``strict`` and some topic has fewer partitions than wanted (the launcher, before any
+            service starts).
         aiokafka.errors.KafkaError: the broker cannot be reached (see :data:`BROKER_ERRORS`).
     """
+    names = list(names)
     admin = make_admin(cfg)
     await admin.start()
     try:
@@ -152,8 +177,20 @@ async def ensure_topics(cfg: KafkaConfig, names: Iterable[str] = topics.ALL) -> 
                 await admin.create_topics(new)
             except TopicAlreadyExistsError:
                 pass
+        short: dict[str, tuple[int, int]] = {}
+        for t in await admin.describe_topics(names):
+            want = topics.partitions_for(t["topic"], cfg.partitions)
+            have = len(t.get("partitions") or [])
+            if not t.get("error_code") and have < want:
+                short[t["topic"]] = (have, want)
     finally:
         await admin.close()
+    if short:
+        err = TopicLayoutError(short)
+        if strict:
+            raise err
+        log.error("%s", err)
+    return short
 
 
 async def send(producer: AIOKafkaProducer, topic: str, record: Record, key: str) -> asyncio.Future:
@@ -525,3 +562,24 @@ def prepare_service(name: str, config, stop: asyncio.Event | None):
         stop = asyncio.Event()
         install_stop_signals(stop)
     return stop, tracer
+
+
+def _main() -> int:
+    """``python -m shared.kafka``: create every topic of the system (``$FLYWHEEL_CONFIG`` and the environment's
+    ``kafka`` section) and check their partition counts; exit 1 naming the short ones (compose's one-shot
+    ``kafka-topics``, run before any service)."""
+    from shared.config import Settings
+
+    setup_logging("kafka-topics")
+    cfg = Settings.load().kafka
+    try:
+        asyncio.run(ensure_topics(cfg, strict=True))
+    except TopicLayoutError as e:
+        log.error("%s", e)
+        return 1
+    log.info("%d topics on %s with their partition counts", len(topics.ALL), cfg.bootstrap_servers)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -87,6 +87,10 @@ def test_flywheel_run_survives_a_kill_9_of_the_scheduler(tiny, tmp_path):
     rep = json.loads(report.read_text())
     assert rep["steps"] == STEPS and [h["step"] for h in rep["history"]] == list(range(1, STEPS + 1)), rep["steps"]
     assert rep["eval"]["after"]["policy_version"] == STEPS
+    # issue 20: peak RSS per process in the report (VmHWM, bytes), the restarted scheduler included
+    rss = rep["peak_rss_bytes"]
+    assert set(rss) == {"broker", "scheduler", "rollout", "verifier", "trainer", "sandbox"}, rss
+    assert all(2**20 < b < 2**35 for b in rss.values()), rss
     # the CLI said once that it rides through, and that the scheduler came back; the supervisor restarted it
     assert log.count("scheduler unreachable") == 1, log[-4000:]
     assert "scheduler answering again after" in log and str(victim) in log, log[-4000:]

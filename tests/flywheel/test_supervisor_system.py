@@ -115,6 +115,20 @@ def test_the_sandbox_runs_code_under_the_launchers_umask(system):
     assert r.json()["status"] == "ok" and r.json()["stdout"] == "42\n", r.json()
 
 
+def test_the_launcher_created_every_topic_with_its_partition_count_before_the_services(system):
+    """Issue 20: flywheel.trajectories once came up with the broker's default 4 partitions instead of 8 (a
+    client touched it before anyone created it); the launcher now creates every topic before any service."""
+    import asyncio
+
+    from shared import topics
+    from shared.config import KafkaConfig
+    from shared.kafka import ensure_topics
+
+    cfg = KafkaConfig(bootstrap_servers=system.broker.bootstrap_servers, partitions=system.partitions)
+    assert asyncio.run(ensure_topics(cfg, topics.ALL)) == {}  # every one there with at least its count
+    assert system.partitions == 8 and topics.TRAJECTORIES in topics.PARTITIONED
+
+
 def test_training_resumes_after_a_broker_kill_9(system):
     """kill -9 of the broker mid-run: the supervisor names it, restarts it on the same port, the services keep
     running (none is blamed) and training goes on. Printed: the time from the kill to each of the next three
