@@ -126,7 +126,7 @@ def test_the_launcher_created_every_topic_with_its_partition_count_before_the_se
 
     cfg = KafkaConfig(bootstrap_servers=system.broker.bootstrap_servers, partitions=system.partitions)
     assert asyncio.run(ensure_topics(cfg, topics.ALL)) == {}  # every one there with at least its count
-    assert system.partitions == 8 and topics.TRAJECTORIES in topics.PARTITIONED
+    assert system.partitions == 8  # above the broker's auto-create default of 4: a short topic would show
 
 
 def test_training_resumes_after_a_broker_kill_9(system):
