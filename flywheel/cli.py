@@ -421,6 +421,10 @@ class RemoteSystem:
         """Nothing to supervise here: the orchestrator restarts the services."""
         return []
 
+    def sample_rss(self) -> dict[str, int]:
+        """Peak RSS per service is not visible from here (the processes run elsewhere): ``{}``."""
+        return {}
+
 
 def wait_for_scheduler(url: str, timeout_s: float) -> None:
     """Poll ``GET {url}/healthz`` with backoff (0.5 s doubling to 5 s) until it answers 200.
