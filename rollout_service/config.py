@@ -19,8 +19,20 @@ class RolloutConfig(BaseModel):
     ``flywheel.rollout.requests.<pool>``), in consumer group ``rollout`` (default pool) or
     ``rollout-<pool>``. E.g. a ``long`` pool of replicas with a larger ``max_trajectory_tokens`` for
     long multi-turn domains (the scheduler's ``domains.<d>.pool`` routes them there)."""
-    engine: Literal["torch", "sglang"] = "torch"
-    """Generation backend: ``torch`` (in-process transformers, CPU default) or ``sglang`` (HTTP server)."""
+    engine: Literal["torch", "sglang", "null"] = "torch"
+    """Generation backend: ``torch`` (in-process transformers, CPU default), ``sglang`` (HTTP server) or ``null``
+    (no model: fixed or random completions at ``null_tokens_per_s``, for benchmarking the pipeline; see
+    rollout_service/null_engine.py)."""
+    null_vocab: int = Field(64, ge=2, le=1 << 20)
+    """``engine: null``: token ids are drawn from ``[0, null_vocab)``; behaviour log-prob ``-log(null_vocab)`` per token."""
+    null_tokens_per_s: float = Field(0.0, ge=0.0, le=1e9)
+    """``engine: null``: generation rate in tokens per second (0: as fast as possible)."""
+    null_rate_per: Literal["sample", "batch"] = "sample"
+    """``engine: null``: whether ``null_tokens_per_s`` is each sample's rate (the samples of a batch generate in
+    parallel) or the whole batch's."""
+    null_completion: Literal["random", "fixed"] = "random"
+    """``engine: null``: uniformly random token ids (seeded by ``seed`` and the batch), or the same ids for every
+    sample."""
     sglang_url: str = "http://127.0.0.1:30000"
     """Base URL of the SGLang server when ``engine == "sglang"``."""
     sglang_pause_mode: Literal["retract", "in_place", "abort"] = "retract"

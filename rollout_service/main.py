@@ -55,13 +55,21 @@ METRICS_EVERY_S = 10.0
 
 
 def build_engine(config: RolloutSettings):
-    """The configured engine (``torch`` in process, or ``sglang`` at ``rollout.sglang_url``, waited for
-    until ready) and the tokenizer, as ``(engine, tokenizer)``; blocking (model load, server wait).
+    """The configured engine (``torch`` in process, ``sglang`` at ``rollout.sglang_url``, waited for until
+    ready, or ``null``: no model, with a :class:`rollout_service.null_engine.NullTokenizer`) and the tokenizer,
+    as ``(engine, tokenizer)``; blocking (model load, server wait).
 
     Raises:
         TimeoutError: the SGLang server is not ready within 10 minutes.
     """
     cfg = config.rollout
+    if cfg.engine == "null":  # no model, no model directory: a benchmark engine (rollout_service/null_engine.py)
+        from rollout_service.null_engine import NullEngine, NullTokenizer
+
+        log.warning("rollout.engine: null: no model; completions of random ids at %s tokens/s per %s (a benchmark)",
+                    cfg.null_tokens_per_s or "unbounded", cfg.null_rate_per)
+        return NullEngine(cfg.null_vocab, cfg.null_tokens_per_s, cfg.null_rate_per, cfg.null_completion,
+                          cfg.seed), NullTokenizer(cfg.null_vocab)
     model_dir = resolve_model_dir(config.model.name, config.model.cache_dir)
     tok = load_tokenizer(model_dir)  # prompts are encoded here either way: token in, token out
     if cfg.engine == "sglang":

@@ -322,13 +322,125 @@ class Reward(BaseModel):
         return self.total >= 1.0 and not self.infra_error
 
 
+TRAIN_SAMPLE_FIELDS = ("trajectory_id", "group_id", "sample_index", "group_size", "purpose", "attempt",
+                       "prompt_ids", "completion_ids", "completion_logprobs", "loss_mask", "finish_reason",
+                       "policy_versions", "temperature")
+"""The :class:`Trajectory` fields a :class:`TrainSample` copies as they are (it adds ``task_id`` and ``domain``
+from the task)."""
+
+
+class TrainSample(BaseModel):
+    """The part of a :class:`Trajectory` the trainer reads (flywheel.scored version 3): its ids, the token ids,
+    behaviour log-probs, loss mask, policy-version spans and temperature it trains on, and the few identifiers
+    its group buffer, traces and per-domain metrics use. No task, text, turns, timings or cost: those stay on
+    flywheel.trajectories (the full Trajectory) and flywheel.rewards (:class:`RewardEvent`) for analysts.
+
+    Field meanings are :class:`Trajectory`'s (``completion_logprobs``: natural log, behaviour policy at
+    ``temperature``; ``loss_mask`` 0 on tool output)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    trajectory_id: str
+    group_id: str
+    sample_index: int = Field(ge=0)
+    group_size: int = Field(ge=1)
+    task_id: str = Field(min_length=1, max_length=512)
+    domain: str = Field(min_length=1, max_length=256)
+    purpose: Literal["train", "eval"] = "train"
+    attempt: int = 1
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_logprobs: list[float]
+    loss_mask: list[int]
+    finish_reason: Literal["stop", "length", "abort", "error"]
+    policy_versions: list[VersionSpan]
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    """Sampling temperature the completion was drawn at (0 = greedy, never trained)."""
+
+    @model_validator(mode="after")
+    def _aligned(self) -> "TrainSample":
+        n = len(self.completion_ids)
+        if len(self.completion_logprobs) != n or len(self.loss_mask) != n:
+            raise ValueError(
+                f"completion_ids ({n}), completion_logprobs ({len(self.completion_logprobs)}) and "
+                f"loss_mask ({len(self.loss_mask)}) must have equal lengths"
+            )
+        return self
+
+    @classmethod
+    def of(cls, traj: Trajectory) -> "TrainSample":
+        """The lean copy of ``traj`` (already validated, so built without validating again; the lists are
+        shared, not copied)."""
+        return cls.model_construct(task_id=traj.task.task_id, domain=traj.task.domain,
+                                   **{k: getattr(traj, k) for k in TRAIN_SAMPLE_FIELDS})
+
+    @property
+    def behaviour_version(self) -> int:
+        """Oldest policy version that produced any completion token (0 when empty)."""
+        return min((s.version for s in self.policy_versions), default=0)
+
+
+class ScoredReward(BaseModel):
+    """The part of a :class:`Reward` the trainer reads: the total and the infra_error flag (components and
+    details go to flywheel.rewards, :class:`RewardEvent`)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    total: float
+    infra_error: bool = False
+    """True when the reward could not be computed because of infrastructure (never a 0 reward)."""
+
+    @property
+    def passed(self) -> bool:
+        """:attr:`Reward.passed`: a total of at least 1.0 and no infrastructure error."""
+        return self.total >= 1.0 and not self.infra_error
+
+
 class ScoredTrajectory(Record):
-    """flywheel.scored, key group_id. Producer: verifier. Consumer: trainer."""
+    """flywheel.scored, key group_id. Producer: verifier. Consumer: trainer.
+
+    Version 3 (issue 20): lean, what the trainer trains on (:class:`TrainSample`, :class:`ScoredReward`);
+    version 2 carried the whole Trajectory (its task, unit-test source included) and Reward. The full
+    trajectory stays on flywheel.trajectories and the reward's summary on flywheel.rewards. Tolerant
+    decoding: a version-2 record (an older verifier's, during an upgrade) still decodes, to its lean part.
+    Built from a full :class:`Trajectory` and :class:`Reward` (``ScoredTrajectory(trajectory=traj,
+    reward=reward)``), it keeps only that part (without validating the trajectory again)."""
 
     SCHEMA: ClassVar[str] = "flywheel.ScoredTrajectory"
-    VERSION: ClassVar[int] = 2
-    trajectory: Trajectory
-    reward: Reward
+    VERSION: ClassVar[int] = 3
+    trajectory: TrainSample
+    reward: ScoredReward
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_version_2(cls, data: Any) -> Any:
+        """A version-2 record (the full trajectory and reward) as its version-3 fields; runs before the
+        version check of :class:`Record`."""
+        if not (isinstance(data, dict) and data.get("schema_version") == 2 and data.get("schema") == cls.SCHEMA):
+            return data
+        tr, rw = data.get("trajectory"), data.get("reward")
+        if isinstance(tr, dict):
+            task = tr.get("task") if isinstance(tr.get("task"), dict) else {}
+            tr = {**{k: tr[k] for k in TRAIN_SAMPLE_FIELDS if k in tr}, "task_id": task.get("task_id"),
+                  "domain": task.get("domain")}
+        if isinstance(rw, dict):
+            rw = {k: rw[k] for k in ("total", "infra_error") if k in rw}
+        return {**data, "schema_version": cls.VERSION, "trajectory": tr, "reward": rw}
+
+    @field_validator("trajectory", mode="before")
+    @classmethod
+    def _lean_trajectory(cls, v: Any) -> Any:
+        return TrainSample.of(v) if isinstance(v, Trajectory) else v
+
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _lean_reward(cls, v: Any) -> Any:
+        return ScoredReward.model_construct(total=v.total, infra_error=v.infra_error) if isinstance(v, Reward) else v
+
+    @classmethod
+    def of(cls, traj: Trajectory, reward: Reward) -> "ScoredTrajectory":
+        """The record for ``traj`` scored ``reward``, built without validating either again."""
+        return cls.model_construct(schema_=cls.SCHEMA, schema_version=cls.VERSION, trajectory=TrainSample.of(traj),
+                                   reward=ScoredReward.model_construct(total=reward.total,
+                                                                       infra_error=reward.infra_error))
 
 
 class RewardEvent(Record):

@@ -95,6 +95,14 @@ class TrainerConfig(BaseModel):
     """Seconds between free-space checks while a checkpoint waits for space."""
     seed: int = 0
     """Seed of torch and the trainer's RNG."""
+    null_step: bool = False
+    """Benchmark knob, not for training: no model is loaded and each optimizer step is a no-op
+    (``trainer_service/null_step.py``). The trainer still assembles groups, drops stale and failed ones,
+    counts steps, announces each policy version on flywheel.weights (a manifest-less WeightUpdate, transport
+    ``checkpoint``, that only a ``rollout.engine: null`` replica can "load"), sends its step metrics and
+    commits offsets; it writes no checkpoint, so a restart starts again at version 0 and does not remember
+    the groups trained. What ``benchmarks/null_pipeline.py`` measures: the message bus and the services
+    without a model."""
 
     @model_validator(mode="before")
     @classmethod

@@ -71,7 +71,7 @@ class Group:
         Raises:
             StopIteration: the group has no sample yet (a ready group always has one).
         """
-        return next(iter(self.samples.values())).trajectory.task.domain
+        return next(iter(self.samples.values())).trajectory.domain
 
     @property
     def behaviour_version(self) -> int:

@@ -35,13 +35,14 @@ from shared.checkpoint import (CheckpointStore, DiskFullError, DiskLevel, DiskPo
                                snapshot_weights)
 from shared.metrics import serve_metrics
 from shared.model import load_model, load_tokenizer, resolve_model_dir
-from shared.schemas import Alert, GroupDropped, Metrics, ScoredTrajectory
+from shared.schemas import Alert, GroupDropped, Metrics, ScoredTrajectory, WeightUpdate
 from shared.telemetry import flush_tracing
 from trainer_service.config import TrainerSettings
 from trainer_service.control import ControlState, poll_control, read_control_to_end
 from trainer_service.domain_metrics import domain_metrics
 from trainer_service.groups import Drop, Group, GroupBuffer
 from trainer_service.metrics import TrainerMetrics
+from trainer_service.null_step import NULL_CHECKSUM, NULL_LEDGER, NullTrainer
 from trainer_service.tracing import GroupTraces
 from trainer_service.trainer import PolicyTrainer
 
@@ -105,7 +106,12 @@ async def run(config: TrainerSettings, stop: asyncio.Event | None = None) -> Non
         RuntimeError: the checkpoint store is inconsistent (:func:`build_trainer`).
     """
     stop, _ = kafka.prepare_service("trainer", config, stop)
-    trainer, store, done = await asyncio.to_thread(build_trainer, config)
+    if config.trainer.null_step:  # benchmark mode: no model, no checkpoints (trainer_service/null_step.py)
+        store = CheckpointStore(config.run.path(config.run.checkpoint_dir), config.trainer.keep_checkpoints)
+        trainer, done = NullTrainer(store.root / NULL_LEDGER), set()
+        log.warning("trainer.null_step: no model is loaded and every optimizer step is a no-op (a benchmark)")
+    else:
+        trainer, store, done = await asyncio.to_thread(build_trainer, config)
     buffer = GroupBuffer(config.budget.max_staleness, done, config.budget.resample_unsolved)
     prom = TrainerMetrics()
     prom.watch_version(lambda: trainer.version)
@@ -348,7 +354,11 @@ class TrainLoop:
         self.traces.trained(groups, trainer.step, trainer.version, start_ns, time.time_ns())
         t0 = time.perf_counter()
         done = buffer.done_groups | buffer.in_flight  # includes earlier steps still being saved
-        weights, state = await asyncio.to_thread(lambda: (snapshot_weights(trainer.model), trainer.state_dict(done)))
+        if isinstance(trainer, NullTrainer):
+            weights, state = {}, {}
+        else:
+            weights, state = await asyncio.to_thread(lambda: (snapshot_weights(trainer.model),
+                                                              trainer.state_dict(done)))
         metrics["time/snapshot_s"] = time.perf_counter() - t0
         metrics["time/wait_for_data_s"] = wait_s
         for k in ("dropped_stale", "dropped_failed", "dropped_circuit_open", "dropped_domain_paused",
@@ -468,6 +478,9 @@ class Publisher:
         """
         if previous is not None:
             await previous  # versions become durable and are announced in order
+        if self.config.trainer.null_step:
+            await self._publish_null(snap)
+            return
         store, metrics, broadcaster = self.store, snap.metrics, self.broadcaster
         t0 = time.perf_counter()
         ids = [g.group_id for g in snap.groups]
@@ -504,6 +517,25 @@ class Publisher:
                  metrics["loss/pg"], metrics["time/train_step_s"], metrics["time/publish_s"],
                  metrics["time/checkpoint_s"], metrics["time/wait_for_data_s"])
 
+
+    async def _publish_null(self, snap: StepSnapshot) -> None:
+        """``trainer.null_step``: announce ``snap``'s version with a manifest-less WeightUpdate (no file is
+        written: its ``path`` inside the checkpoint store names nothing), release the groups' offsets, send the
+        step's metrics (run-wide, then per domain)."""
+        t0 = time.perf_counter()
+        path = str(self.store.root / f"v{snap.version}" / "null")
+        update = WeightUpdate(model=self.config.model.name, version=snap.version, step=snap.step, path=path,
+                              manifest=[], checksum=NULL_CHECKSUM)
+        await self._announce(topics.WEIGHTS, update, update.model)
+        snap.metrics["time/publish_s"] = time.perf_counter() - t0
+        self.buffer.mark_trained(snap.groups)
+        self.metrics.published(snap.groups, snap.version, snap.metrics)
+        await self._announce(topics.METRICS, Metrics(source="trainer", step=snap.step, policy_version=snap.version,
+                                                     values=snap.metrics), "trainer")
+        for d, v in domain_metrics(snap.groups, snap.version).items():
+            await self._announce(topics.METRICS, Metrics(source="trainer", step=snap.step,
+                                                         policy_version=snap.version, domain=d, values=v), "trainer")
+        log.info("null step %d -> policy version %d: %d groups", snap.step, snap.version, len(snap.groups))
 
     async def _durable(self, write, need: int, version: int, whole: bool = True):
         """``write()`` (a checkpoint phase) in a thread once the store's file system has ``need`` bytes free above

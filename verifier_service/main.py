@@ -13,6 +13,7 @@ import logging
 import math
 import re
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import ConsumerRecord
@@ -22,14 +23,14 @@ from shared import topics
 from shared.kafka import (
     BROKER_ERRORS,
     BrokerLost,
+    PERMANENT_PRODUCE_ERRORS,
     BrokerWatch,
     commit_batch,
-    decode_or_dead_letter,
+    dead_letter,
     ensure_topics,
     make_consumer,
     make_producer,
     prepare_service,
-    produce_or_dead_letter,
     reconnect_pause,
     record_size,
     send,
@@ -37,9 +38,10 @@ from shared.kafka import (
     unproducible_trajectory,
 )
 from shared.metrics import serve_metrics
-from shared.schemas import Metrics, Reward, RewardEvent, ScoredTrajectory, Trajectory
-from shared.telemetry import extract_context, flush_tracing
+from shared.schemas import DecodeError, Metrics, Reward, RewardEvent, ScoredTrajectory, Trajectory
+from shared.telemetry import extract_context, flush_tracing, inject_headers
 from verifier_service.config import VerifierConfig, VerifierSettings
+from verifier_service.intake import TrajectoryDecoder
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.scorers import Scorer
 
@@ -163,40 +165,111 @@ class _Counters:
         return out
 
 
-async def _handle(
-    msg: ConsumerRecord, producer: Any, scorer: Scorer, cfg: VerifierConfig, tracer: trace.Tracer,
-    counters: _Counters, prom: VerifierMetrics | None = None,
-) -> None:
-    traj = await decode_or_dead_letter(producer, msg, Trajectory, SERVICE)
-    if traj is None:
+@dataclass
+class _Outcome:
+    """One trajectory of a batch, scored and not yet produced (:func:`_score`, then :func:`_produce_batch`)."""
+
+    msg: ConsumerRecord
+    traj: Trajectory
+    reward: Reward
+    cost: dict[str, float]
+    seconds: float
+    """Seconds in :func:`score_with_retries`."""
+    scored_at: float
+    """Unix seconds when scoring ended (``RewardEvent.event_time``)."""
+    span: Any
+    """Its ``verify`` span (ended once its records are acknowledged); the records' headers carry it."""
+
+
+async def _score(msg: ConsumerRecord, producer: Any, scorer: Scorer, cfg: VerifierConfig, tracer: trace.Tracer,
+                 counters: _Counters, prom: VerifierMetrics | None, decoder: TrajectoryDecoder) -> _Outcome | None:
+    """Decode and score one record; ``None`` when it was malformed (dead-lettered and counted)."""
+    try:
+        traj = decoder.decode(msg.value)
+    except DecodeError as e:
+        await dead_letter(producer, msg, SERVICE, e.reason)
         counters.add("dlq")
         if prom is not None:
             prom.dlq.labels(msg.topic).inc()
-        return
-    with tracer.start_as_current_span(
+        return None
+    span = tracer.start_span(
         "verify", context=extract_context(msg.headers),
         attributes={"trajectory_id": traj.trajectory_id, "group_id": traj.group_id, "domain": traj.task.domain,
-                    "sample_index": traj.sample_index, "verifier.kind": traj.task.verifier.kind},
-    ) as span:
+                    "sample_index": traj.sample_index, "verifier.kind": traj.task.verifier.kind})
+    with trace.use_span(span, end_on_exit=False):
         t0 = time.perf_counter()
         cost: dict[str, float] = {}
         reward = await score_with_retries(scorer, cfg, traj, cost)
         dt, scored_at = time.perf_counter() - t0, time.time()
-        span.set_attribute("reward", reward.total)
-        span.set_attribute("infra_error", reward.infra_error)
-        span.set_attribute("passed", reward.passed)
-        unproducible = await produce_or_dead_letter(producer, msg, SERVICE, [
-            (topics.SCORED, ScoredTrajectory(trajectory=traj, reward=reward), traj.group_id),
-            (topics.REWARDS, reward_event(traj, reward, cost, scored_at), traj.task.task_id)])
-        if unproducible is not None:
-            span.set_attribute("unproducible", unproducible)
-            counters.add("dlq")
-            if prom is not None:
-                prom.dlq.labels(msg.topic).inc()
-            await _report_unproducible(producer, traj, unproducible, cost, scored_at)
-            return
+    span.set_attribute("reward", reward.total)
+    span.set_attribute("infra_error", reward.infra_error)
+    span.set_attribute("passed", reward.passed)
+    return _Outcome(msg, traj, reward, cost, dt, scored_at, span)
+
+
+async def _produce_batch(producer: Any, outcomes: list[_Outcome], counters: _Counters,
+                         prom: VerifierMetrics | None) -> None:
+    """Produce every outcome's ScoredTrajectory (key group_id) and RewardEvent (key task_id), one ``send`` after
+    the other without waiting for each ack, then wait for all the acks.
+
+    The semantics of :func:`shared.kafka.produce_or_dead_letter`, batched: a record over
+    ``max_request_size`` (checked before sending) or refused by the broker (:data:`PERMANENT_PRODUCE_ERRORS`, seen
+    on its ack) dead-letters its source record, which is reported downstream as a failed sample
+    (:func:`_report_unproducible`) and committed past. Sends are sequential on purpose: thousands of concurrent
+    ``send`` calls on a full batch all wake on every drain of aiokafka's accumulator (a profile of the null
+    pipeline spent most of the verifier's time there).
+
+    Raises:
+        aiokafka.errors.KafkaError: a transient failure (the caller does not commit).
+    """
+    limit = getattr(producer, "_max_request_size", None)
+    sent: list[tuple[_Outcome, list]] = []
+    for o in outcomes:
+        traj = o.traj
+        with trace.use_span(o.span, end_on_exit=False):
+            headers = inject_headers()
+        records = [(topics.SCORED, ScoredTrajectory.of(traj, o.reward).encode(), traj.group_id),
+                   (topics.REWARDS, reward_event(traj, o.reward, o.cost, o.scored_at).encode(), traj.task.task_id)]
+        too_big = next(((t, n) for t, v, k in records if limit is not None
+                        and (n := record_size(v, k, headers)) > limit), None)
+        if too_big is not None:
+            reason = (f"unproducible: MessageSizeTooLargeError: the record for {too_big[0]} is {too_big[1]} bytes, "
+                      f"over kafka.max_request_size={limit}")
+            await _unproducible(producer, o, reason, counters, prom)
+            continue
+        futs = [(t, len(v), await producer.send(t, v, key=k.encode(), headers=headers)) for t, v, k in records]
+        sent.append((o, futs))
+    for o, futs in sent:
+        reason = None
+        for t, n, fut in futs:
+            try:
+                await fut
+            except PERMANENT_PRODUCE_ERRORS as e:
+                reason = reason or f"unproducible: {type(e).__name__}: record for {t} is {n} bytes: {e}"[:2000]
+        if reason is not None:
+            await _unproducible(producer, o, reason, counters, prom)
+            continue
+        o.span.end()
+        _count(o, counters, prom)
+
+
+async def _unproducible(producer: Any, o: _Outcome, reason: str, counters: _Counters,
+                        prom: VerifierMetrics | None) -> None:
+    """Dead-letter ``o``'s source record with ``reason``, count it, and report the sample as failed."""
+    await dead_letter(producer, o.msg, SERVICE, reason)
+    o.span.set_attribute("unproducible", reason)
+    o.span.end()
+    counters.add("dlq")
+    if prom is not None:
+        prom.dlq.labels(o.msg.topic).inc()
+    await _report_unproducible(producer, o.traj, reason, o.cost, o.scored_at)
+
+
+def _count(o: _Outcome, counters: _Counters, prom: VerifierMetrics | None) -> None:
+    """The counters, Prometheus families and debug line of one produced outcome."""
+    traj, reward = o.traj, o.reward
     counters.add("scored")
-    counters.add("score_seconds_total", dt)
+    counters.add("score_seconds_total", o.seconds)
     if reward.infra_error:
         counters.add("infra_errors")
     elif reward.passed:
@@ -206,9 +279,10 @@ async def _handle(
     for name in reward.details.get("gated_by", []):
         counters.add(f"gated_{name}")
     if prom is not None:
-        prom.scored(traj, reward, cost)
-    log.info("scored %s kind=%s reward=%.1f infra=%s in %.3f s", traj.trajectory_id, traj.task.verifier.kind,
-             reward.total, reward.infra_error, dt)
+        prom.scored(traj, reward, o.cost)
+    # per record at debug (thousands a second with cheap kinds); each batch logs one info line (_serve)
+    log.debug("scored %s kind=%s reward=%.1f infra=%s in %.3f s", traj.trajectory_id, traj.task.verifier.kind,
+              reward.total, reward.infra_error, o.seconds)
 
 
 async def _report_unproducible(producer: Any, traj: Trajectory, reason: str, cost: dict[str, float],
@@ -224,7 +298,7 @@ async def _report_unproducible(producer: Any, traj: Trajectory, reason: str, cos
         aiokafka.errors.KafkaError: a transient failure (the caller does not commit).
     """
     failed = Reward(total=0.0, infra_error=True, details={"reason": reason, "unproducible": True})
-    stand_in = ScoredTrajectory(trajectory=unproducible_trajectory(traj, reason), reward=failed)
+    stand_in = ScoredTrajectory.of(unproducible_trajectory(traj, reason), failed)
     out = [(topics.REWARDS, reward_event(traj, failed, cost, scored_at), traj.task.task_id)]
     if record_size(stand_in.encode(), traj.group_id) <= getattr(producer, "_max_request_size", float("inf")):
         out.insert(0, (topics.SCORED, stand_in, traj.group_id))
@@ -354,16 +428,20 @@ async def _serve(vcfg: VerifierConfig, consumer: Any, producer: Any, watch: Brok
         aiokafka.errors.KafkaError: a broker error (:data:`shared.kafka.BROKER_ERRORS`).
     """
     next_metrics = time.monotonic() + vcfg.metrics_interval_s
+    decoder = TrajectoryDecoder()  # a group's K trajectories share one task: validated once
     while not stop.is_set():
         watch.check(epoch)
         batch = await consumer.getmany(timeout_ms=200, max_records=vcfg.max_batch)
         if batch:
             msgs = [m for part in batch.values() for m in part]
-            await watch.guard(asyncio.gather(
-                *(_handle(m, producer, scorer, vcfg, tracer, counters, prom) for m in msgs)), epoch)
+            outcomes = await watch.guard(asyncio.gather(
+                *(_score(m, producer, scorer, vcfg, tracer, counters, prom, decoder) for m in msgs)), epoch)
+            await watch.guard(_produce_batch(producer, [o for o in outcomes if o is not None], counters, prom), epoch)
             watch.check(epoch)  # never commit offsets of a broker that went away meanwhile
             await watch.guard(commit_batch(consumer, batch), epoch)
             counters.add("batches")
+            log.info("scored and committed a batch of %d trajectories (%s ... %s)", len(msgs),
+                     (msgs[0].key or b"").decode(errors="replace"), (msgs[-1].key or b"").decode(errors="replace"))
         if time.monotonic() >= next_metrics:
             next_metrics = time.monotonic() + vcfg.metrics_interval_s
             await watch.guard(send_metrics(producer, counters), epoch)

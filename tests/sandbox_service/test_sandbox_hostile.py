@@ -35,30 +35,43 @@ def client():
         yield c
 
 
-def sandbox_uid_processes() -> list[int]:
-    """Host pids whose real uid is one of the sandbox slots' uids."""
+def sandbox_uid_processes() -> dict[int, str]:
+    """Host processes whose real uid is one of the sandbox slots' uids: ``{pid: "starttime cmdline"}``.
+
+    The start time (clock ticks since boot, field 22 of /proc/PID/stat) tells a process apart from a later
+    one that reuses its pid (pid_max is 32768 here, so pids wrap during the suite)."""
     lo, hi = CFG.uid_base, CFG.uid_base + CFG.max_concurrency
-    found = []
+    found = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
                 uid = int(next(l for l in (d / "status").read_text().splitlines() if l.startswith("Uid:")).split()[1])
-            except (OSError, StopIteration, ValueError):
+                if lo <= uid < hi:
+                    start = (d / "stat").read_text().rsplit(")", 1)[1].split()[19]
+                    cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+                    found[int(d.name)] = f"{start} {cmd}"
+            except (OSError, StopIteration, ValueError, IndexError):
                 continue
-            if lo <= uid < hi:
-                found.append(int(d.name))
     return found
 
 
 @pytest.fixture
 def unharmed(client):
-    """Snapshot the service before the test; after it, assert the host and the workers are unharmed."""
+    """Snapshot the service before the test; after it, assert the host and the workers are unharmed.
+
+    Processes of a sandbox uid that were already running before the test (another sandbox on this host,
+    e.g. one a crashed earlier test or a developer left behind) are not this test's: only new ones fail it."""
     before = client.get("/healthz").json()
+    already = sandbox_uid_processes()
     yield
+
+    def new() -> dict[int, str]:
+        return {pid: what for pid, what in sandbox_uid_processes().items() if already.get(pid) != what}
+
     deadline = time.monotonic() + 5
-    while sandbox_uid_processes() and time.monotonic() < deadline:
+    while new() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert sandbox_uid_processes() == [], "a sandboxed process outlived its run"
+    assert new() == {}, "a sandboxed process outlived its run"
     after = client.get("/healthz").json()
     assert after["status"] == "ok", after
     assert after["workers"]["pids"] == before["workers"]["pids"], "a worker died or was replaced"

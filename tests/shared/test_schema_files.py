@@ -210,8 +210,8 @@ def test_compatibility_rule_flags_breaking_changes_and_allows_optional_additions
     assert "went down" in changed(lambda s: s.update({"x-flywheel-schema-version": 0}))[0]
     nested = topic_schema(topics.SCORED)
     broken = json.loads(json.dumps(nested))
-    broken["$defs"]["Reward"]["properties"].pop("components")
-    assert compatibility_problems(nested, broken) == ["$defs.Reward.components: removed (or renamed)"]
+    broken["$defs"]["TrainSample"]["properties"].pop("loss_mask")  # flywheel.scored v3: the lean TrainSample
+    assert compatibility_problems(nested, broken) == ["$defs.TrainSample.loss_mask: removed (or renamed)"]
 
 
 def test_the_export_refuses_an_incompatible_schema_under_the_same_version(tmp_path):

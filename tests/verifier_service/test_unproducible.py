@@ -2,7 +2,7 @@
 
 A real verifier process (``python -m verifier_service``) on its own embedded broker, with a small
 ``kafka.max_request_size`` (20,000 bytes) standing in for the 16 MiB limit: a trajectory of highly
-compressible text fetches fine (its lz4 batch is small) but its ScoredTrajectory is over the limit
+compressible text and tokens fetches fine (its lz4 batch is small) but its ScoredTrajectory is over the limit
 uncompressed, which is what aiokafka checks. Before the fix the process exited with
 ``MessageSizeTooLargeError`` before committing, and the record came back after every restart.
 """
@@ -31,13 +31,13 @@ ROOT = Path(__file__).resolve().parents[2]
 LIMIT = 20_000
 
 
-def _traj(tag: str, i: int, text: str) -> Trajectory:
+def _traj(tag: str, i: int, text: str, tokens: int = 1) -> Trajectory:
     task = Task(task_id=f"task-{tag}-{i}", domain="toy", prompt=[{"role": "user", "content": "say a"}],
                 verifier={"kind": "regex", "pattern": "^a"})
     return Trajectory(
         trajectory_id=f"{tag}:{i}", group_id=f"g-{tag}", sample_index=i, group_size=2, task=task,
-        prompt_ids=[1, 2], completion_ids=[3], completion_logprobs=[-0.1], loss_mask=[1], completion_text=text,
-        finish_reason="stop", policy_versions=[{"version": 0, "start": 0, "end": 1}])
+        prompt_ids=[1, 2], completion_ids=[3] * tokens, completion_logprobs=[-0.1] * tokens, loss_mask=[1] * tokens,
+        completion_text=text, finish_reason="stop", policy_versions=[{"version": 0, "start": 0, "end": tokens}])
 
 
 def start_verifier(bootstrap: str, run_dir: Path, group: str, metrics_port: int, **env: str) -> subprocess.Popen:
@@ -63,7 +63,9 @@ async def test_an_unproducible_scored_result_is_dead_lettered_committed_and_the_
         producer = kafka.make_producer(cfg)  # the test's producer keeps the 16 MiB limit
         await producer.start()
         try:
-            big = _traj(tag, 0, "a" + "b" * 30_000)  # ~30 KB uncompressed, a few hundred bytes in lz4
+            # ~30 KB uncompressed, a few hundred bytes in lz4; the lean scored record (issue 20) carries the
+            # token ids, log-probs and mask, not the text: 3,000 tokens make it over the limit too
+            big = _traj(tag, 0, "a" + "b" * 30_000, tokens=3_000)
             small = _traj(tag, 1, "abc")
             assert kafka.record_size(big.encode(), big.group_id) > LIMIT
             for t in (big, small):  # same key: same partition, the big one first
@@ -89,7 +91,7 @@ async def test_an_unproducible_scored_result_is_dead_lettered_committed_and_the_
             assert by_id[small.trajectory_id].reward.total == 1.0
             stand_in = by_id[big.trajectory_id]
             assert stand_in.reward.infra_error and stand_in.trajectory.finish_reason == "error"
-            assert stand_in.trajectory.completion_ids == [] and "MessageSizeTooLargeError" in stand_in.trajectory.error
+            assert stand_in.trajectory.completion_ids == []  # the reason is on its RewardEvent (below)
             ev = {e.trajectory_id: e for e in events}
             assert ev[big.trajectory_id].infra_error and "MessageSizeTooLargeError" in ev[big.trajectory_id].reason
             assert ev[small.trajectory_id].passed

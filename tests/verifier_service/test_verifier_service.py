@@ -12,7 +12,7 @@ from flywheel.config import FlywheelConfig
 from shared import topics
 from shared.kafka import ensure_topics, make_producer, send
 from shared.metrics import Samples, scrape, total
-from shared.schemas import DeadLetter, Metrics, RewardEvent, ScoredTrajectory, Task, Trajectory
+from shared.schemas import DeadLetter, Metrics, RewardEvent, ScoredTrajectory, Task, Trajectory, TrainSample
 from verifier_service.main import run
 
 pytestmark = pytest.mark.kafka
@@ -64,15 +64,16 @@ async def test_service_scores_emits_rewards_and_dead_letters(kafka_cfg, unique, 
         by_id = {s.trajectory.trajectory_id: s for s in scored}
         assert set(by_id) == ids
         assert by_id[good.trajectory_id].reward.total == 1.0
-        assert by_id[good.trajectory_id].reward.components == {"correctness": 1.0}
+        assert not hasattr(by_id[good.trajectory_id].reward, "components")  # lean (issue 20): on flywheel.rewards
         assert by_id[bad.trajectory_id].reward.total == 0.0 and not by_id[bad.trajectory_id].reward.infra_error
         assert by_id[aborted.trajectory_id].reward.infra_error  # not scored, flagged
-        assert by_id[good.trajectory_id].trajectory == good
+        assert by_id[good.trajectory_id].trajectory == TrainSample.of(good)  # the trainer's part only (v3)
 
         ev = {r.trajectory_id: r for r in rewards}
         assert set(ev) == ids
         g = ev[good.trajectory_id]
         assert g.passed and g.reward == 1.0 and g.task_id == f"task-{unique}" and g.group_id == good.group_id
+        assert g.components == {"correctness": 1.0}
         assert g.policy_version == 4 and g.completion_tokens == 3 and g.purpose == "eval"
         assert g.eval_round == 7 and g.attempt == 2 and g.group_size == 3 and g.sample_index == 0
         assert g.domain == "toy" and g.difficulty == 0.25 and g.finish_reason == "stop"
@@ -195,22 +196,22 @@ async def test_service_runs_domain_recipes_counts_hacks_and_gates_and_calibrates
             await producer.stop()
             stop.set()
             await asyncio.wait_for(task, timeout=30)
-    r = {s.trajectory.trajectory_id: s.reward for s in scored}
-    assert r[f"{unique}:0"].total == 1.0 and r[f"{unique}:0"].components == {"correctness": 1.0}
+    r = {s.trajectory.trajectory_id: s.reward for s in scored}  # lean (issue 20): total and infra_error only
+    ev = {e.trajectory_id: e for e in events}  # the reward's components, gates and hacks are on flywheel.rewards
+    assert r[f"{unique}:0"].total == 1.0 and ev[f"{unique}:0"].components == {"correctness": 1.0}
     assert r[f"{unique}:1"].total == 1.0
-    assert r[f"{unique}:1"].components == {"correctness": 1.0, "format": 1.0, "truncation": 1.0}
-    assert r[f"{unique}:2"].total == 0.0 and r[f"{unique}:2"].details["gated_by"] == ["truncation"]
-    assert "multiple_answers" in r[f"{unique}:3"].details["hacks"]
+    assert ev[f"{unique}:1"].components == {"correctness": 1.0, "format": 1.0, "truncation": 1.0}
+    assert r[f"{unique}:2"].total == 0.0 and ev[f"{unique}:2"].gates == ["truncation"]
+    assert "multiple_answers" in ev[f"{unique}:3"].hacks
     assert metrics and judge[0].values["judge/accuracy"] == 1.0 and judge[0].values["judge/n"] == 2
     assert total(prom, "flywheel_verifier_hacks_total", lambda lab: lab["detector"] == "multiple_answers") >= 1
     assert total(prom, "flywheel_verifier_gates_total", lambda lab: lab["gate"] == "truncation") >= 1
     assert total(prom, "flywheel_verifier_rewards_total", lambda lab: lab["domain"] == "geometry") >= 2
-    ev = {e.trajectory_id: e for e in events}
     assert ev[f"{unique}:4"].misconfigured and "composite" in ev[f"{unique}:4"].reason  # the domain pauses
     assert not ev[f"{unique}:0"].misconfigured and ev[f"{unique}:0"].reason is None
-    # the analyst's fields: the scored record's components, the gates that fired, the hacks, the spec's kind
+    # the analyst's fields: the reward's components, the gates that fired, the hacks, the spec's kind
     for tid, e in ev.items():
-        assert e.components == r[tid].components and e.event_time is not None
+        assert e.reward == r[tid].total and e.event_time is not None
         assert e.verifier_kind == next(t for t in trajs if t.trajectory_id == tid).task.verifier.kind
     assert ev[f"{unique}:2"].gates == ["truncation"] and ev[f"{unique}:2"].reward == 0.0
     assert ev[f"{unique}:1"].gates == [] and ev[f"{unique}:1"].components["format"] == 1.0
