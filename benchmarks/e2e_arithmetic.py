@@ -16,10 +16,18 @@ zero-advantage rows too):
 - **Flywheel**: ``flywheel run`` with its five services over the embedded broker, generation
   overlapping training (one core each).
 
-Prints wall seconds per trainer step for each (median over the steady steps: start-up and
-evaluation excluded) and the ratios. Target: Flywheel <= 1.0x the plain loop.
+Issue 20 adds the bf16 arms: the plain loop under ``torch.autocast(bfloat16)`` (what a user would do by
+hand on this CPU), and ``flywheel run`` with bf16 generation (``rollout.dtype: bfloat16``), bf16-autocast
+training with fp32 master weights and AdamW (``trainer.autocast_bf16``) and the decoupled clip against the
+trainer's own log-probs (``trainer.loss.off_policy: decoupled``: the mismatch correction), with and without
+the main job's KL term (a bf16 reference model).
 
-    python benchmarks/e2e_arithmetic.py --steps 8
+Prints wall seconds per trainer step for each arm (median over the steady steps: start-up and
+evaluation excluded), every arm measured in this one run, and the ratios against the baselines with
+the baseline's own figure beside each. Targets: Flywheel fp32 <= 1.0x the plain loop; Flywheel bf16
+<= 0.35x the fp32 plain loop and <= 0.7x the bf16-autocast plain loop.
+
+    python benchmarks/e2e_arithmetic.py --steps 8 [--arms plain plain_bf16 flywheel_bf16 ...]
 """
 
 from __future__ import annotations
@@ -133,23 +141,31 @@ def plain_update(cfg, tok, model, opt, loss_cfg, prompts: list[list[int]], sampl
     return float(gn)
 
 
-def plain_loop(config_path: Path, steps: int) -> list[float]:
-    """Seconds per step of a textbook synchronous generate → score → full-forward GRPO update loop."""
+def plain_loop(config_path: Path, steps: int, bf16: bool = False) -> list[float]:
+    """Seconds per step of a textbook synchronous generate → score → full-forward GRPO update loop.
+
+    ``bf16``: what a user would do by hand on this CPU: fp32 weights and AdamW, generation and the update's
+    forward/backward under ``torch.autocast("cpu", torch.bfloat16)`` (the loss against the log-probs that
+    generation recorded, as the fp32 loop does)."""
+    import contextlib
+
     import torch
 
     cfg, tok, engine, tasks, reward, rng = _setup(config_path)
     model = engine.model
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
-    loss_cfg = cfg.trainer.loss  # a token-level family with GRPO advantages (grpo, bnpo, dapo)
+    loss_cfg = cfg.trainer.loss.model_copy(update={"off_policy": "ppo_clip"})  # the textbook PPO clip
+    name = "plain loop (bf16 autocast)" if bf16 else "plain loop"
     times = []
     for step in range(steps):
         t0 = time.perf_counter()
-        batch, prompts, samples = _generate(cfg, tok, engine, tasks, rng)
-        rewards = [[reward(tok.decode(s.completion_ids, skip_special_tokens=True), t) for s in ss]
-                   for t, ss in zip(batch, samples)]
-        plain_update(cfg, tok, model, opt, loss_cfg, prompts, samples, rewards)
+        with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+            batch, prompts, samples = _generate(cfg, tok, engine, tasks, rng)
+            rewards = [[reward(tok.decode(s.completion_ids, skip_special_tokens=True), t) for s in ss]
+                       for t, ss in zip(batch, samples)]
+            plain_update(cfg, tok, model, opt, loss_cfg, prompts, samples, rewards)
         times.append(time.perf_counter() - t0)
-        print(f"plain loop step {step + 1}: {times[-1]:.1f} s, reward {float(torch.tensor(rewards).mean()):.3f}",
+        print(f"{name} step {step + 1}: {times[-1]:.1f} s, reward {float(torch.tensor(rewards).mean()):.3f}",
               flush=True)
     return times
 
@@ -187,38 +203,71 @@ def flywheel_trainer_loop(config_path: Path, steps: int) -> list[float]:
     return times
 
 
-def flywheel(config_path: Path, steps: int) -> tuple[list[float], dict]:
-    """Seconds between consecutive trainer steps of a ``flywheel run`` (from the metrics timestamps)."""
+PRECISION = {
+    "fp32": ["rollout.dtype=float32", "trainer.autocast_bf16=false", "trainer.loss.off_policy=ppo_clip"],
+    "bf16": ["rollout.dtype=bfloat16", "trainer.autocast_bf16=true", "trainer.loss.off_policy=decoupled"],
+}
+"""The ``--set`` overrides of each precision: fp32 everywhere (the PPO clip against the behaviour policy), or
+bf16 generation and bf16-autocast training with the decoupled clip against the trainer's own log-probs."""
+
+
+def flywheel(config_path: Path, steps: int, precision: str = "fp32", kl: bool = False) -> tuple[list[float], dict]:
+    """Seconds between consecutive trainer steps of a ``flywheel run`` (from the metrics timestamps).
+
+    ``precision``: a key of :data:`PRECISION`; ``kl``: keep the config's KL term (the main job's settings),
+    else ``trainer.kl_coef=0`` like the reference loop."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "flywheel.cli", "run", str(config_path), "--report", str(report),
                "--set", f"budget.max_steps={steps}", "--set", "scheduler.eval_every=0",
                "--set", "budget.oversample=1.0",  # the loops generate exactly B groups per step
                "--set", "budget.resample_unsolved=0",  # ... and no extra groups for unsolved ones
-               "--set", "trainer.kl_coef=0",  # the reference loop has no KL term (no reference forward)
                "--set", "tasks.eval_size=0", "--set", "scheduler.eval_before_training=false",
                "--set", f"run.dir={tmp}/runs"]
+        if not kl:
+            cmd += ["--set", "trainer.kl_coef=0"]  # the reference loop has no KL term (no reference forward)
+        for kv in PRECISION[precision]:
+            cmd += ["--set", kv]
         subprocess.run(cmd, check=True, cwd=tmp)
         rep = json.loads(report.read_text())
     ts = [h["time"] for h in rep["history"]]
     return [b - a for a, b in zip(ts, ts[1:])], rep
 
 
+ARMS = ("plain", "plain_bf16", "own", "flywheel", "flywheel_bf16", "flywheel_kl", "flywheel_bf16_kl")
+"""Every arm: the plain loop in fp32 and with bf16 autocast, the loop with Flywheel's trainer (fp32), and
+``flywheel run`` in fp32 and bf16, without and with the main job's KL term."""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=ROOT / "examples/arithmetic.yaml")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     args = ap.parse_args()
-    fw, rep = flywheel(args.config, args.steps)
-    plain = plain_loop(args.config, args.steps)[1:]  # the first step pays for lazy initialisation
-    own = flywheel_trainer_loop(args.config, args.steps)[1:]
-    p, o, f = statistics.median(plain), statistics.median(own), statistics.median(fw)
-    print(f"\nplain single-process loop:              {p:.2f} s/step (median of {len(plain)} steps)")
-    print(f"single-process loop, Flywheel's trainer: {o:.2f} s/step (median of {len(own)} steps)")
-    print(f"flywheel (5 services + broker):          {f:.2f} s/step (median of {len(fw)} step intervals)")
-    print(f"ratio flywheel / plain loop:             {f / p:.2f}x (target <= 1.0x)")
-    print(f"ratio flywheel / loop with its trainer:  {f / o:.2f}x")
-    print(f"flywheel wall for {args.steps} steps incl. start-up and shutdown: {rep['wall_seconds']:.0f} s")
+    sec: dict[str, float] = {}
+    walls: dict[str, float] = {}
+    for arm in args.arms:  # every arm in this one run, one after another on the quiet machine
+        if arm.startswith("flywheel"):
+            fw, rep = flywheel(args.config, args.steps, "bf16" if "bf16" in arm else "fp32", kl=arm.endswith("_kl"))
+            sec[arm], walls[arm] = statistics.median(fw), rep["wall_seconds"]
+        elif arm == "own":
+            sec[arm] = statistics.median(flywheel_trainer_loop(args.config, args.steps)[1:])
+        else:  # the first step pays for lazy initialisation
+            sec[arm] = statistics.median(plain_loop(args.config, args.steps, bf16=arm == "plain_bf16")[1:])
+    label = {"plain": "plain single-process loop, fp32", "plain_bf16": "plain loop, bf16 autocast",
+             "own": "single-process loop, Flywheel's trainer, fp32", "flywheel": "flywheel, fp32, no KL",
+             "flywheel_bf16": "flywheel, bf16 + decoupled, no KL", "flywheel_kl": "flywheel, fp32, KL on (main job)",
+             "flywheel_bf16_kl": "flywheel, bf16 + decoupled, KL on (main job)"}
+    print()
+    for arm, v in sec.items():
+        extra = f", wall {walls[arm]:.0f} s for {args.steps} steps incl. start-up" if arm in walls else ""
+        print(f"{label[arm]:<48} {v:6.2f} s/step{extra}")
+    for arm in [a for a in sec if a.startswith("flywheel")]:
+        for base, target in (("plain", 0.35 if "bf16" in arm else 1.0), ("plain_bf16", 0.7)):
+            if base in sec and not (base == "plain_bf16" and "bf16" not in arm):
+                print(f"ratio {arm} / {base}: {sec[arm] / sec[base]:.2f}x (baseline {sec[base]:.2f} s/step"
+                      f"{', target <= %.2fx' % target if not arm.endswith('_kl') else ''})")
 
 
 if __name__ == "__main__":

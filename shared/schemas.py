@@ -252,7 +252,29 @@ class VersionSpan(BaseModel):
         return VersionSpan(version=self.version, start=self.start + k, end=self.end + k)
 
 
-class Trajectory(Record):
+class _CompletionTokens:
+    """What :class:`Trajectory` and :class:`TrainSample` share beyond their fields (a plain mixin)."""
+
+    @property
+    def behaviour_version(self) -> int:
+        """Oldest policy version that produced any completion token (0 when empty)."""
+        return min((s.version for s in self.policy_versions), default=0)
+
+
+def _check_aligned(rec):
+    """``rec`` (a Trajectory or TrainSample) when its completion ids, log-probs and loss mask have one length.
+
+    Raises:
+        ValueError: the lengths differ.
+    """
+    n = len(rec.completion_ids)
+    if len(rec.completion_logprobs) != n or len(rec.loss_mask) != n:
+        raise ValueError(f"completion_ids ({n}), completion_logprobs ({len(rec.completion_logprobs)}) and "
+                         f"loss_mask ({len(rec.loss_mask)}) must have equal lengths")
+    return rec
+
+
+class Trajectory(_CompletionTokens, Record):
     """flywheel.trajectories, key group_id. Producer: rollout. Consumer: verifier.
 
     ``completion_logprobs[i]`` is the behaviour policy's log-probability (natural log, float) of
@@ -291,18 +313,7 @@ class Trajectory(Record):
 
     @model_validator(mode="after")
     def _aligned(self) -> "Trajectory":
-        n = len(self.completion_ids)
-        if len(self.completion_logprobs) != n or len(self.loss_mask) != n:
-            raise ValueError(
-                f"completion_ids ({n}), completion_logprobs ({len(self.completion_logprobs)}) and "
-                f"loss_mask ({len(self.loss_mask)}) must have equal lengths"
-            )
-        return self
-
-    @property
-    def behaviour_version(self) -> int:
-        """Oldest policy version that produced any completion token (0 when empty)."""
-        return min((s.version for s in self.policy_versions), default=0)
+        return _check_aligned(self)
 
 
 class Reward(BaseModel):
@@ -329,7 +340,7 @@ TRAIN_SAMPLE_FIELDS = ("trajectory_id", "group_id", "sample_index", "group_size"
 from the task)."""
 
 
-class TrainSample(BaseModel):
+class TrainSample(_CompletionTokens, BaseModel):
     """The part of a :class:`Trajectory` the trainer reads (flywheel.scored version 3): its ids, the token ids,
     behaviour log-probs, loss mask, policy-version spans and temperature it trains on, and the few identifiers
     its group buffer, traces and per-domain metrics use. No task, text, turns, timings or cost: those stay on
@@ -358,13 +369,7 @@ class TrainSample(BaseModel):
 
     @model_validator(mode="after")
     def _aligned(self) -> "TrainSample":
-        n = len(self.completion_ids)
-        if len(self.completion_logprobs) != n or len(self.loss_mask) != n:
-            raise ValueError(
-                f"completion_ids ({n}), completion_logprobs ({len(self.completion_logprobs)}) and "
-                f"loss_mask ({len(self.loss_mask)}) must have equal lengths"
-            )
-        return self
+        return _check_aligned(self)
 
     @classmethod
     def of(cls, traj: Trajectory) -> "TrainSample":
@@ -373,10 +378,6 @@ class TrainSample(BaseModel):
         return cls.model_construct(task_id=traj.task.task_id, domain=traj.task.domain,
                                    **{k: getattr(traj, k) for k in TRAIN_SAMPLE_FIELDS})
 
-    @property
-    def behaviour_version(self) -> int:
-        """Oldest policy version that produced any completion token (0 when empty)."""
-        return min((s.version for s in self.policy_versions), default=0)
 
 
 class ScoredReward(BaseModel):

@@ -36,6 +36,8 @@ from trainer_service.groups import Group
 from trainer_service.losses import resolve_loss
 from trainer_service.losses.grpo import aggregate
 from trainer_service.losses.kl import kl_importance_weight, kl_term, kl_value
+from trainer_service.losses.mismatch import METRICS as MISMATCH_METRICS
+from trainer_service.losses.mismatch import mismatch_sums, onpolicy_means
 from trainer_service.losses.output import LossOutput, TokenMean, token_means
 
 
@@ -190,6 +192,9 @@ class StepSums:
     kl_ref: float = 0.0
     tokens: dict[str, float] = field(default_factory=dict)
     kl_tokens: dict[str, float] = field(default_factory=dict)
+    mismatch: dict[str, float] = field(default_factory=dict)
+    """``losses/mismatch.py``'s sums: |Δlogp| and k3 against the behaviour log-probs, over all tokens and over
+    the tokens of samples the trainer's current version generated."""
 
 
 ENTROPY_METRICS = {"loss/entropy_sum": TokenMean("loss/entropy")}
@@ -198,6 +203,23 @@ KL_METRICS = {"loss/kl_ref_sum": TokenMean("loss/kl_ref_mean"),
               "loss/kl_ref_weight_sum": TokenMean("loss/kl_ref_weight_mean", empty=1.0)}
 """The KL term's per-token statistics: the importance-weighted estimate of KL(π_θ ‖ π_ref) and the mean
 weight π_θ/π_behaviour (``losses/kl.py``)."""
+
+
+def reference_model(model: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:
+    """A frozen copy of ``model`` (the base policy of the KL term), in eval mode.
+
+    With ``bf16`` the copy's weights are bf16 (half the memory, no per-forward cast under autocast) except the
+    output layer, which stays a float32 copy (untied from the bf16 input embedding when the two were tied),
+    so reference log-probs keep float32 logits as :func:`completion_logprobs` computes them for the policy.
+    """
+    ref = copy.deepcopy(model).eval()
+    if bf16:
+        head = ref.lm_head.weight.detach().clone().float()
+        ref.to(torch.bfloat16)
+        ref.lm_head.weight = torch.nn.Parameter(head)
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
 
 
 def _add(sums: dict[str, float], metrics: dict[str, float]) -> None:
@@ -221,9 +243,7 @@ class PolicyTrainer:
         self.loss = resolve_loss(cfg.loss)
         self.ref_model: torch.nn.Module | None = None
         if cfg.kl_coef > 0:
-            self.ref_model = copy.deepcopy(model).eval()
-            for p in self.ref_model.parameters():
-                p.requires_grad_(False)
+            self.ref_model = reference_model(model, bf16=cfg.autocast_bf16)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_factor, cfg, max_steps))
@@ -307,6 +327,9 @@ class PolicyTrainer:
             _add(sums.kl_tokens, kl.metrics)
             loss = loss + self.cfg.kl_coef * kl.loss
         loss.backward()
+        onpolicy = torch.tensor([all(s.version == self.version for s in r.trajectory.policy_versions)
+                                 for r in rows], dtype=torch.bool)
+        _add(sums.mismatch, mismatch_sums(logprobs, batch.behaviour_logprobs, batch.loss_mask, onpolicy))
         _add(sums.tokens, {"loss/entropy_sum": float((ent[0] * batch.loss_mask).sum())})
         _add(sums.tokens, out.metrics)
 
@@ -359,6 +382,9 @@ class PolicyTrainer:
             "train/tokens_per_s": plan.n_tokens / elapsed,
             "time/train_step_s": elapsed,
         }
+        metrics.update(token_means({k: v for k, v in sums.mismatch.items() if k in MISMATCH_METRICS},
+                                   MISMATCH_METRICS, plan.live_tokens, any_live))
+        metrics.update(onpolicy_means(sums.mismatch))
         for s_, n in sorted(Counter(staleness).items()):
             metrics[f"train/staleness_hist/{s_}"] = float(n)
         if self.ref_model is not None:
