@@ -36,10 +36,15 @@ def client():
 
 
 def sandbox_uid_processes() -> dict[int, str]:
-    """Host processes whose real uid is one of the sandbox slots' uids: ``{pid: "starttime cmdline"}``.
+    """Host processes whose real uid is one of the sandbox slots' uids and that are not another sandbox
+    service's: ``{pid: "starttime cmdline"}``.
 
     The start time (clock ticks since boot, field 22 of /proc/PID/stat) tells a process apart from a later
-    one that reuses its pid (pid_max is 32768 here, so pids wrap during the suite)."""
+    one that reuses its pid (pid_max is 32768 here, so pids wrap during the suite). Another service's slots
+    use the same uids: the suite's session sandbox (``sandbox_url``) keeps running beside this module, and its
+    workers fork their next run's processes whenever they like. Those carry their worker's command line,
+    whose ``--slot`` names the service's pid (``<pid>-slot<i>-<hex>``, :class:`sandbox_service.pool.WorkerHandle`),
+    and are left out; a process that escaped this module's sandbox never carries another service's slot."""
     lo, hi = CFG.uid_base, CFG.uid_base + CFG.max_concurrency
     found = {}
     for d in Path("/proc").iterdir():
@@ -48,8 +53,11 @@ def sandbox_uid_processes() -> dict[int, str]:
                 uid = int(next(l for l in (d / "status").read_text().splitlines() if l.startswith("Uid:")).split()[1])
                 if lo <= uid < hi:
                     start = (d / "stat").read_text().rsplit(")", 1)[1].split()[19]
-                    cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
-                    found[int(d.name)] = f"{start} {cmd}"
+                    argv = (d / "cmdline").read_bytes().decode(errors="replace").split("\0")
+                    slot = argv[argv.index("--slot") + 1] if "--slot" in argv[:-1] else None
+                    if slot is not None and not slot.startswith(f"{os.getpid()}-slot"):
+                        continue  # another sandbox service's slot
+                    found[int(d.name)] = f"{start} {' '.join(argv)[:160]}"
             except (OSError, StopIteration, ValueError, IndexError):
                 continue
     return found
