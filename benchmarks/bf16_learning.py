@@ -65,6 +65,18 @@ def step_seconds(report: dict) -> float | None:
     return statistics.median(gaps) if gaps else None
 
 
+def mean_of(report: dict, key: str) -> float | None:
+    """Mean of metric ``key`` over the run's trainer steps that report it (None if none does)."""
+    vals = [h[key] for h in report.get("history", []) if h.get(key) is not None]
+    return statistics.mean(vals) if vals else None
+
+
+SIGNALS = ("mismatch/onpolicy_abs_logp_diff", "mismatch/onpolicy_k3", "mismatch/abs_logp_diff", "loss/clip_frac",
+           "loss/is_truncated_frac", "time/train_step_s")
+"""Per-step metrics whose run means are printed for each run: the training-inference mismatch on policy
+(numerics alone) and over all tokens, the clipped fraction, the truncated IS fraction, the train step (s)."""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=ROOT / "examples/arithmetic.yaml")
@@ -96,6 +108,11 @@ def main() -> None:
             col.append(statistics.mean(vals) if vals else None)
         means[precision] = col
         print(f"{precision + ' mean':<12}" + "".join(f"{a:>9.3f}" if a is not None else f"{'-':>9}" for a in col))
+    print("\nrun means per trainer step: " + ", ".join(SIGNALS))
+    for (precision, seed), rep in reports.items():
+        vals = [mean_of(rep, k) for k in SIGNALS]
+        print(f"{precision + ' s' + str(seed):<12}" + "".join(f"{v:>12.4f}" if v is not None else f"{'-':>12}"
+                                                              for v in vals))
     if "fp32" in means and "bf16" in means:
         diffs = [(b - f) if b is not None and f is not None else None for b, f in zip(means["bf16"], means["fp32"])]
         print(f"{'bf16 - fp32':<12}" + "".join(f"{d:>+9.3f}" if d is not None else f"{'-':>9}" for d in diffs)

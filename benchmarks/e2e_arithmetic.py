@@ -177,8 +177,9 @@ def flywheel_trainer_loop(config_path: Path, steps: int) -> list[float]:
     from trainer_service.trainer import PolicyTrainer
 
     cfg, tok, engine, tasks, reward, rng = _setup(config_path)
-    # one model: generation sees each update; no KL term, as in the plain loop
-    trainer = PolicyTrainer(engine.model, cfg.trainer.model_copy(update={"kl_coef": 0.0}), tok.pad_token_id)
+    # one model: generation sees each update; no KL term and fp32, as in the plain loop
+    fp32 = {"kl_coef": 0.0, "autocast_bf16": False, "loss": cfg.trainer.loss.model_copy(update={"off_policy": "ppo_clip"})}
+    trainer = PolicyTrainer(engine.model, cfg.trainer.model_copy(update=fp32), tok.pad_token_id)
     times = []
     for step in range(steps):
         t0 = time.perf_counter()

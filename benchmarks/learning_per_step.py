@@ -58,7 +58,8 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = engine.model
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
-    loss_cfg = cfg.trainer.loss  # no reference model here: the KL term is not applied
+    # no reference model here: the KL term is not applied; the reference loop is fp32 with the textbook PPO clip
+    loss_cfg = cfg.trainer.loss.model_copy(update={"off_policy": "ppo_clip"})
     sampling = SamplingParams(max_new_tokens=cfg.scheduler.max_tokens, temperature=cfg.scheduler.temperature)
 
     scorer = reasoning_gym.create_dataset(cfg.tasks.dataset, size=64, seed=42, **cfg.tasks.dataset_config)
