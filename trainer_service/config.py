@@ -75,8 +75,8 @@ class TrainerConfig(BaseModel):
     (``trainer_service.trainer.reference_model``). Pair it with ``loss.off_policy: decoupled``: bf16 log-probs differ from the
     behaviour log-probs by numerical noise (``mismatch/onpolicy_abs_logp_diff``, about 0.03 nats per token for
     SmolLM2 with a bf16 rollout), which a PPO clip against the behaviour policy takes for policy change.
-    Measured on 2 cores: a SmolLM2 trainer step about 1.25x faster alone, the main job 1.58x faster in wall
-    time (README, "bf16")."""
+    Measured on 2 cores: a SmolLM2 trainer step about 1.25x faster alone; the main job in 0.70x the wall time
+    of fp32, held-out accuracy within 0.04 at steps 20 and 30 over 2 seeds (README, "bf16")."""
     keep_checkpoints: int = Field(3, ge=1, le=1000)
     """Weight versions kept in the checkpoint store; older ones are deleted. Only the newest complete version
     keeps its optimizer and trainer state (what resume reads); the older ones keep their weights for rollout
