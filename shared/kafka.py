@@ -27,7 +27,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Iterable, TypeVar
 
@@ -247,7 +247,8 @@ PERMANENT_PRODUCE_ERRORS: tuple[type[BaseException], ...] = (
     kerr.PolicyViolationError,  # 44
 )
 """Produce failures that no retry can cure: the record itself is refused (Kafka protocol error codes in
-the comments). :func:`produce_or_dead_letter` dead-letters the source record on these; every other
+the comments). A consumer dead-letters the source record on these (the verifier's ``_produce_batch``,
+the rollout's ``emit``); every other
 error (the broker down, a timeout, a leader moving) is transient and raised for the caller to retry."""
 
 BROKER_ERRORS: tuple[type[BaseException], ...] = (
@@ -281,51 +282,6 @@ def unproducible_trajectory(traj: Trajectory, reason: str) -> Trajectory:
 class BrokerLost(Exception):
     """Raised by :meth:`BrokerWatch.check` (and :meth:`BrokerWatch.guard`) once the broker went away after
     the session began: the session's clients must be rebuilt."""
-
-
-async def produce_or_dead_letter(
-    producer: AIOKafkaProducer, msg: ConsumerRecord, consumer: str, records: Sequence[tuple[str, Record, str]],
-) -> str | None:
-    """Produce ``records`` (``(topic, record, key)`` each, made on behalf of the consumed ``msg``) and wait
-    for every ack; when one of them can never be produced, dead-letter ``msg`` instead and return why.
-
-    Every record's size is checked against the producer's ``max_request_size`` before any is sent
-    (aiokafka would raise ``MessageSizeTooLargeError`` from ``send``), so an oversized result sends none.
-    A refusal by the broker (:data:`PERMANENT_PRODUCE_ERRORS`, e.g. its own smaller message limit) is
-    seen on the ack; records sent before it stay sent (downstream is idempotent).
-
-    Returns:
-        ``None`` when everything was acknowledged, else the reason written to the dead letter (names the
-        error, the topic and the record's size): the caller counts it in its DLQ metric and commits past
-        ``msg``.
-
-    Raises:
-        aiokafka.errors.KafkaError: a transient failure (the broker down, a timeout; never dead-lettered):
-            the caller must not commit, and retries or rebuilds its session.
-    """
-    limit = getattr(producer, "_max_request_size", None)
-    encoded = [(t, r.encode(), k) for t, r, k in records]
-    for (t, value, k), (_, rec, _) in zip(encoded, records):
-        size = record_size(value, k, inject_headers())
-        if limit is not None and size > limit:
-            reason = (f"unproducible: MessageSizeTooLargeError: the {type(rec).__name__} for {t} is {size} bytes, "
-                      f"over kafka.max_request_size={limit}")
-            await dead_letter(producer, msg, consumer, reason)
-            return reason
-    topic = size = None
-    try:
-        futs = []
-        for t, value, k in encoded:
-            topic, size = t, len(value)
-            futs.append(await producer.send(t, value, key=k.encode(), headers=inject_headers()))
-        for (t, value, _), fut in zip(encoded, futs):
-            topic, size = t, len(value)
-            await fut
-    except PERMANENT_PRODUCE_ERRORS as e:
-        reason = f"unproducible: {type(e).__name__}: record for {topic} is {size} bytes: {e}"[:2000]
-        await dead_letter(producer, msg, consumer, reason)
-        return reason
-    return None
 
 
 async def decode_or_dead_letter(

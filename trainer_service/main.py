@@ -354,7 +354,7 @@ class TrainLoop:
         self.traces.trained(groups, trainer.step, trainer.version, start_ns, time.time_ns())
         t0 = time.perf_counter()
         done = buffer.done_groups | buffer.in_flight  # includes earlier steps still being saved
-        if isinstance(trainer, NullTrainer):
+        if self.config.trainer.null_step:
             weights, state = {}, {}
         else:
             weights, state = await asyncio.to_thread(lambda: (snapshot_weights(trainer.model),

@@ -212,9 +212,8 @@ async def _produce_batch(producer: Any, outcomes: list[_Outcome], counters: _Cou
     """Produce every outcome's ScoredTrajectory (key group_id) and RewardEvent (key task_id), one ``send`` after
     the other without waiting for each ack, then wait for all the acks.
 
-    The semantics of :func:`shared.kafka.produce_or_dead_letter`, batched: a record over
-    ``max_request_size`` (checked before sending) or refused by the broker (:data:`PERMANENT_PRODUCE_ERRORS`, seen
-    on its ack) dead-letters its source record, which is reported downstream as a failed sample
+    A record over ``max_request_size`` (checked before sending) or refused by the broker
+    (:data:`PERMANENT_PRODUCE_ERRORS`, seen on its ack) dead-letters its source record, which is reported downstream as a failed sample
     (:func:`_report_unproducible`) and committed past. Sends are sequential on purpose: thousands of concurrent
     ``send`` calls on a full batch all wake on every drain of aiokafka's accumulator (a profile of the null
     pipeline spent most of the verifier's time there).
@@ -287,7 +286,7 @@ def _count(o: _Outcome, counters: _Counters, prom: VerifierMetrics | None) -> No
 
 async def _report_unproducible(producer: Any, traj: Trajectory, reason: str, cost: dict[str, float],
                                scored_at: float) -> None:
-    """After ``traj``'s scored result was dead-lettered (:func:`shared.kafka.produce_or_dead_letter`), tell
+    """After ``traj``'s scored result was dead-lettered (:func:`_produce_batch`), tell
     the pipeline the sample failed, in the records it already understands: a small ScoredTrajectory of
     :func:`shared.kafka.unproducible_trajectory` with an ``infra_error`` reward (the trainer drops the group
     as ``failed`` and announces a GroupDropped, so the scheduler gives the slot back at once) and its
@@ -348,7 +347,7 @@ async def run(config: VerifierSettings, stop: asyncio.Event | None = None) -> No
     Consumes flywheel.trajectories in group ``config.verifier.consumer_group``, scores every
     record, produces ScoredTrajectory (key group_id) and RewardEvent (key task_id), then commits.
     Malformed records go to flywheel.dlq; so does a trajectory whose scored result cannot be produced
-    (too large, or refused: :func:`shared.kafka.produce_or_dead_letter`), reported downstream as a failed
+    (too large, or refused: :func:`_produce_batch`), reported downstream as a failed
     sample (:func:`_report_unproducible`) and committed past. Publishes Metrics every
     ``metrics_interval_s`` seconds; serves Prometheus metrics (:mod:`verifier_service.metrics`) on
     ``telemetry.metrics_port`` when it is set.
