@@ -170,10 +170,29 @@ def plain_loop(config_path: Path, steps: int, bf16: bool = False) -> list[float]
     return times
 
 
-def flywheel_trainer_loop(config_path: Path, steps: int) -> list[float]:
-    """Seconds per step of the same synchronous loop with Flywheel's PolicyTrainer doing the update."""
+def as_groups(cfg, tok, batch, prompts, samples, rewards: list[list[float]], version: int) -> list:
+    """The trainer's :class:`Group` of each task of ``batch`` from its generated ``samples`` (behaviour policy
+    ``version``, loss mask all ones) and their ``rewards``."""
     from shared.schemas import Reward, ScoredTrajectory, Trajectory, VersionSpan
     from trainer_service.groups import Group
+
+    groups = []
+    for t, p, ss, rs in zip(batch, prompts, samples, rewards):
+        g = Group(t.task_id, len(ss))
+        for i, (s, r) in enumerate(zip(ss, rs)):
+            tr = Trajectory(trajectory_id=f"{t.task_id}:{i}", group_id=t.task_id, sample_index=i,
+                            group_size=len(ss), task=t, prompt_ids=p, completion_ids=s.completion_ids,
+                            completion_logprobs=s.logprobs, loss_mask=[1] * len(s.completion_ids),
+                            completion_text=tok.decode(s.completion_ids, skip_special_tokens=True),
+                            finish_reason=s.finish_reason, temperature=cfg.scheduler.temperature,
+                            policy_versions=[VersionSpan(version=version, start=0, end=len(s.completion_ids))])
+            g.samples[i] = ScoredTrajectory(trajectory=tr, reward=Reward(total=r))
+        groups.append(g)
+    return groups
+
+
+def flywheel_trainer_loop(config_path: Path, steps: int) -> list[float]:
+    """Seconds per step of the same synchronous loop with Flywheel's PolicyTrainer doing the update."""
     from trainer_service.trainer import PolicyTrainer
 
     cfg, tok, engine, tasks, reward, rng = _setup(config_path)
@@ -184,19 +203,9 @@ def flywheel_trainer_loop(config_path: Path, steps: int) -> list[float]:
     for step in range(steps):
         t0 = time.perf_counter()
         batch, prompts, samples = _generate(cfg, tok, engine, tasks, rng)
-        groups = []
-        for t, p, ss in zip(batch, prompts, samples):
-            g = Group(t.task_id, len(ss))
-            for i, s in enumerate(ss):
-                text = tok.decode(s.completion_ids, skip_special_tokens=True)
-                tr = Trajectory(trajectory_id=f"{t.task_id}:{i}", group_id=t.task_id, sample_index=i,
-                                group_size=len(ss), task=t, prompt_ids=p, completion_ids=s.completion_ids,
-                                completion_logprobs=s.logprobs, loss_mask=[1] * len(s.completion_ids),
-                                completion_text=text, finish_reason=s.finish_reason,
-                                temperature=cfg.scheduler.temperature,
-                                policy_versions=[VersionSpan(version=step, start=0, end=len(s.completion_ids))])
-                g.samples[i] = ScoredTrajectory(trajectory=tr, reward=Reward(total=reward(text, t)))
-            groups.append(g)
+        rewards = [[reward(tok.decode(s.completion_ids, skip_special_tokens=True), t) for s in ss]
+                   for t, ss in zip(batch, samples)]
+        groups = as_groups(cfg, tok, batch, prompts, samples, rewards, step)
         m = trainer.train_step(groups)
         times.append(time.perf_counter() - t0)
         print(f"flywheel-trainer loop step {step + 1}: {times[-1]:.1f} s, reward {m['train/reward_mean']:.3f}",

@@ -77,6 +77,12 @@ class TrainerConfig(BaseModel):
     SmolLM2 with a bf16 rollout), which a PPO clip against the behaviour policy takes for policy change.
     Measured on 2 cores: a SmolLM2 trainer step about 1.25x faster alone; the main job in 0.70x the wall time
     of fp32, held-out accuracy within 0.04 at steps 20 and 30 over 2 seeds (README, "bf16")."""
+    output_bf16: bool = False
+    """Compute the output layer's matmuls (forward and backward, ``[tokens, 576] @ [576, 49152]`` for SmolLM2) in
+    bf16 on the CPU's matrix units; the log-sum-exp, the log-probs and the entropy stay float32, the master
+    weights float32 (``trainer_service/token_logprobs.py``). bf16 logits round at a relative 2⁻⁹, as the
+    rollout's bf16 engine rounds its own: watch ``mismatch/onpolicy_abs_logp_diff``. With ``autocast_bf16``
+    the KL reference model is then bf16 throughout."""
     keep_checkpoints: int = Field(3, ge=1, le=1000)
     """Weight versions kept in the checkpoint store; older ones are deleted. Only the newest complete version
     keeps its optimizer and trainer state (what resume reads); the older ones keep their weights for rollout

@@ -219,7 +219,7 @@ def _task_limits(task: Task, where: tuple, state: SchedulerState, limit: int,
                            f"{len(task.encode())} bytes, its largest field {field!r}, plus {max_tokens} "
                            f"completion tokens × {RECORD_BYTES_PER_TOKEN} bytes) would exceed the broker's "
                            f"record limit kafka.max_request_size = {limit} bytes"})
-    if counter.context is not None:
+    if not out and counter.context is not None:  # one error per field; no tokenizing of an oversized prompt
         n = counter.count(contents)
         if n is not None and n + max_tokens > counter.context:
             out.append({"type": "prompt_too_long", "loc": (*where, "prompt"), "input": None,

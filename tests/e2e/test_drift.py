@@ -51,6 +51,11 @@ from tests.verifier_service.scripted_judge import ScriptedJudgeServer  # noqa: E
 WINDOW, REFERENCE, MIN_SAMPLES, GROUP_WINDOW = 16, 32, 8, 8
 """``monitor.window``/``reference``/``min_samples``/``group_window``: 4 + 8 groups of K = 4 fill a domain's
 windows, so the monitor judges a domain from its 12th group on."""
+LR = 1e-9
+"""``trainer.lr``: the policy keeps its taught odds for the whole module. At the default 1e-5 the ``same``
+pass rate rose from ~0.2 to ~0.5 within two minutes, and a probe of 2 groups judged against a reference window
+partly filled with the fault's all-``red`` groups (pass rate ~0.1) could pass 6 of 8 and fail on
+``pass_rate_jump`` (one CI run); with the odds fixed that takes 7 of 8 at 0.2 (~1e-4)."""
 COOLDOWN_S = 15.0
 """``monitor.breaker.cooldown_s``: long enough for ~50 groups of the other domains while a breaker is open."""
 MONITOR = {"window": WINDOW, "reference": REFERENCE, "min_samples": MIN_SAMPLES, "group_window": GROUP_WINDOW,
@@ -166,7 +171,7 @@ def run(tmp_path_factory):
     judge = h.ScriptedJudge()
     with ScriptedJudgeServer(judge) as judge_url:
         cfg = work / "system.yaml"
-        cfg.write_text(yaml.safe_dump(h.system_config(model_dir, work / "runs", judge_url, MONITOR)))
+        cfg.write_text(yaml.safe_dump(h.system_config(model_dir, work / "runs", judge_url, MONITOR, lr=LR)))
         # the services import this checkout, whatever the installed package points at
         path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)
         system = LocalSystem.start(cfg, work / "run", overrides={"PYTHONPATH": path}, timeout_s=240)

@@ -56,8 +56,10 @@ async def test_a_body_over_the_limit_is_413_declared_or_chunked(make_config, run
 async def test_a_task_whose_record_exceeds_the_broker_limit_is_refused_naming_index_and_field(
         make_config, running, task):
     """Item 5: a batch of 256 messages of 100,000 characters got 202 and failed at publishing. Now 422 naming
-    the task index and its largest field, nothing of the batch stored."""
-    async with running(make_config(), kafka=False) as (client, state):
+    the task index and its largest field, nothing of the batch stored. The context is set past any prompt here
+    so that only the record bound speaks (a prompt too large for both gets one error: the record's)."""
+    wide = {"context_tokens": 10_000_000}
+    async with running(make_config(scheduler=wide), kafka=False) as (client, state):
         huge = [{"role": "user", "content": "x" * 100_000}] * 256  # 25.6 MB > 16 MiB
         r = await client.post("/v1/tasks", json={"tasks": [task("fine"), task("huge", prompt=huge)]})
         assert r.status_code == 422, r.text
@@ -66,7 +68,7 @@ async def test_a_task_whose_record_exceeds_the_broker_limit_is_refused_naming_in
         assert await _absent(client, "fine") and await _absent(client, "huge")
     # the bound counts the completion: max_tokens × 128 bytes. 200 KB of prompt fits 1 MB records at 24 tokens,
     # not with 8192 tokens of completion (1 MiB)
-    cfg = make_config(kafka=KafkaConfig(max_request_size=1024 * 1024))
+    cfg = make_config(kafka=KafkaConfig(max_request_size=1024 * 1024), scheduler=wide)
     async with running(cfg, kafka=False) as (client, state):
         two = [{"role": "user", "content": "y" * 50_000}] * 2
         assert (await client.post("/v1/tasks", json={"tasks": [task("short", prompt=two)]})).status_code == 202
@@ -115,6 +117,11 @@ async def test_a_prompt_longer_than_the_context_is_refused(make_config, running,
         assert r.status_code == 422 and _fields(r) == ["tasks.1.prompt"], r.text
         assert "512" in r.text and "500 tokens" in r.text
         assert (await client.post("/v1/tasks", json={"tasks": [task("fits", prompt=fits)]})).status_code == 202
+        # too long and too large at once: one error, the record's, and no tokenizing of the 20 MB
+        huge = [{"role": "user", "content": "b" * 100_000}] * 200
+        r = await client.post("/v1/tasks", json={"tasks": [task("huge", prompt=huge)]})
+        assert r.status_code == 422 and _fields(r) == ["tasks.0.prompt"], r.text
+        assert r.json()["detail"][0]["type"] == "record_too_large", r.text
         t0 = time.perf_counter()
         state.prompt_counter.tokenizer.encode("a" * 1000)
         assert time.perf_counter() - t0 < 0.05
