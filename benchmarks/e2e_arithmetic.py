@@ -197,7 +197,8 @@ def flywheel_trainer_loop(config_path: Path, steps: int) -> list[float]:
 
     cfg, tok, engine, tasks, reward, rng = _setup(config_path)
     # one model: generation sees each update; no KL term and fp32, as in the plain loop
-    fp32 = {"kl_coef": 0.0, "autocast_bf16": False, "loss": cfg.trainer.loss.model_copy(update={"off_policy": "ppo_clip"})}
+    fp32 = {"kl_coef": 0.0, "autocast_bf16": False, "output_bf16": False,
+            "loss": cfg.trainer.loss.model_copy(update={"off_policy": "ppo_clip"})}
     trainer = PolicyTrainer(engine.model, cfg.trainer.model_copy(update=fp32), tok.pad_token_id)
     times = []
     for step in range(steps):
@@ -214,11 +215,14 @@ def flywheel_trainer_loop(config_path: Path, steps: int) -> list[float]:
 
 
 PRECISION = {
-    "fp32": ["rollout.dtype=float32", "trainer.autocast_bf16=false", "trainer.loss.off_policy=ppo_clip"],
-    "bf16": ["rollout.dtype=bfloat16", "trainer.autocast_bf16=true", "trainer.loss.off_policy=decoupled"],
+    "fp32": ["rollout.dtype=float32", "trainer.autocast_bf16=false", "trainer.output_bf16=false",
+             "trainer.loss.off_policy=ppo_clip"],
+    "bf16": ["rollout.dtype=bfloat16", "trainer.autocast_bf16=true", "trainer.output_bf16=true",
+             "trainer.loss.off_policy=decoupled"],
 }
 """The ``--set`` overrides of each precision: fp32 everywhere (the PPO clip against the behaviour policy), or
-bf16 generation and bf16-autocast training with the decoupled clip against the trainer's own log-probs."""
+bf16 generation and bf16 training (body under autocast, output layer's matmuls in bf16) with the decoupled clip
+against the trainer's own log-probs."""
 
 
 def flywheel(config_path: Path, steps: int, precision: str = "fp32", kl: bool = False) -> tuple[list[float], dict]:

@@ -71,7 +71,8 @@ class TrainerConfig(BaseModel):
     """Dtype of the weights (and of the AdamW state): keep float32 for small learning rates."""
     autocast_bf16: bool = False
     """Run the transformer body under CPU/GPU bf16 autocast (float32 master weights and AdamW state); the output
-    layer and log-softmax stay float32, and the KL reference model is a bf16 copy with a float32 output layer
+    layer stays float32 (unless ``output_bf16``) and the log-softmax float32, and the KL reference model is a bf16
+    copy with a float32 output layer
     (``trainer_service.trainer.reference_model``). Pair it with ``loss.off_policy: decoupled``: bf16 log-probs differ from the
     behaviour log-probs by numerical noise (``mismatch/onpolicy_abs_logp_diff``, about 0.03 nats per token for
     SmolLM2 with a bf16 rollout), which a PPO clip against the behaviour policy takes for policy change.
