@@ -48,7 +48,7 @@ class _TokenLogprobs(torch.autograd.Function):
         logp = torch.empty(n, dtype=acc, device=hidden.device)
         entropy = torch.empty(n, dtype=acc, device=hidden.device)
         probs = []
-        rows = min(n, chunk_tokens)
+        rows = chunk_tokens  # scratch of a fixed shape, whatever the call's size: reused by every call
         for s in range(0, n, chunk_tokens):
             e_ = min(n, s + chunk_tokens)
             k = e_ - s
@@ -79,10 +79,13 @@ class _TokenLogprobs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None):
         hidden, weight, targets, inv_temperature, logp = ctx.saved_tensors
         compute_dtype, chunk_tokens = ctx.meta
         probs, ctx.probs = ctx.probs, None
+        if probs is None:  # backward overwrites the kept softmax in place
+            raise RuntimeError("token_logprobs: its graph can be backpropagated only once (no retain_graph)")
         acc = torch.promote_types(weight.dtype, torch.float32)
         w = weight.detach().to(compute_dtype)
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -103,8 +106,8 @@ class _TokenLogprobs(torch.autograd.Function):
             if want_w:
                 part = gz.T @ hidden[s:e_].detach().to(compute_dtype)  # [V, H]
                 grad_w = part.to(acc) if grad_w is None else grad_w.add_(part)
-        if want_w:
-            grad_w = grad_w.to(weight.dtype)
+        if want_w:  # (no position at all: a zero gradient)
+            grad_w = torch.zeros_like(weight) if grad_w is None else grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None, None
 
 
@@ -118,7 +121,8 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         weight: ``[V, H]``, the output layer (``lm_head.weight``; tied or not).
         targets: ``[N]`` long, the token whose log-prob is wanted at each position.
         inv_temperature: ``[N]`` float or ``None``, 1 / the sampling temperature of each position (the logits
-            are multiplied by it; ``None``: temperature 1, no multiplication).
+            are multiplied by it in the accumulation dtype; ``None``: temperature 1, no multiplication). No
+            gradient flows to it.
         compute_dtype: dtype of the two matmuls and of the softmax kept for backward; ``None``: the weight's.
             bfloat16 logits differ from float32 ones by a relative 2⁻⁹ (the rollout's bf16 engine computes
             its behaviour log-probs the same way); the log-sum-exp and the log-probs are float32 either way.
@@ -131,9 +135,12 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
 
     Raises:
         ValueError: ``hidden`` is not 2-D or its width is not the weight's.
+        RuntimeError: a second backward through the same result (the kept softmax is consumed in place).
     """
     if hidden.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden must be [N, {weight.shape[1]}], got {tuple(hidden.shape)}")
     keep = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)  # else no softmax kept
+    if inv_temperature is not None:
+        inv_temperature = inv_temperature.detach()  # a sampling setting: no gradient to it
     return _TokenLogprobs.apply(hidden, weight, targets, inv_temperature, compute_dtype or weight.dtype,
                                 max(1, int(chunk_tokens)), keep)

@@ -131,7 +131,7 @@ def completion_logprobs(model: torch.nn.Module, batch: Batch, autocast_bf16: boo
     live = batch.completion_mask.bool()  # [B, T]
     inv_t = None
     if bool((batch.temperature != 1.0).any()):  # what the rollout sampled from (1: no multiplication)
-        inv_t = (1.0 / batch.temperature)[:, None].expand(live.shape)[live]
+        inv_t = (1.0 / batch.temperature.to(torch.float64))[:, None].expand(live.shape)[live]  # exact for float64
     lp, ent = token_logprobs(hidden[live], w, batch.completion_ids[live], inv_t,
                              torch.bfloat16 if output_bf16 else None)
     out = torch.zeros(live.shape, dtype=lp.dtype, device=lp.device)
@@ -472,6 +472,8 @@ class PolicyTrainer:
         self.optimizer_restored = state.get("optimizer") is not None
         if self.optimizer_restored:
             self.optimizer.load_state_dict(state["optimizer"])
+            for group in self.optimizer.param_groups:  # the saved groups carry the saver's kernel choice
+                group["fused"] = _fused_ok(self.model)
         if "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.step, self.version = state["step"], state["version"]

@@ -104,3 +104,25 @@ def test_bf16_gradients_of_confident_tokens_keep_their_direction():
     (_reference(h2, weight, targets, None)[0] * up).sum().backward()
     cos = torch.nn.functional.cosine_similarity(h1.grad, h2.grad, dim=1)
     assert cos.min() > 0.99, cos
+
+
+def test_no_position_at_all_gives_empty_results_and_zero_gradients():
+    """A micro-batch whose completions are all empty sends no position through the output layer."""
+    hidden, weight, targets, _, _ = _inputs()
+    h, w = hidden[:0].clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = token_logprobs(h, w, targets[:0])
+    assert lp.shape == (0,) and ent.shape == (0,)
+    lp.sum().backward()
+    assert h.grad.shape == (0, 8) and torch.equal(w.grad, torch.zeros_like(weight))
+
+
+def test_a_second_backward_is_refused_clearly_and_a_temperature_gets_no_gradient():
+    hidden, weight, targets, inv_t, _ = _inputs()
+    lp, _ = token_logprobs(hidden.clone().requires_grad_(), weight, targets)
+    lp.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="only once"):
+        lp.sum().backward()
+    it = inv_t.clone().requires_grad_()
+    lp, _ = token_logprobs(hidden.clone().requires_grad_(), weight, targets, it)
+    lp.sum().backward()
+    assert it.grad is None

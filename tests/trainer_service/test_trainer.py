@@ -276,3 +276,17 @@ def test_trainer_scores_at_the_sampling_temperature(tiny, temperature):
     for i, s in enumerate(samples):
         n = len(s.completion_ids)
         torch.testing.assert_close(lp[i, :n], torch.tensor(s.logprobs), atol=2e-4, rtol=1e-4)
+
+
+def test_a_state_saved_with_the_unfused_adamw_resumes_on_the_fused_kernel(tiny):
+    """AdamW is torch's fused kernel; ``load_state_dict`` takes the saver's groups, so a state written before
+    (``fused: None``) would turn it off for the rest of the run."""
+    torch.manual_seed(0)
+    tr = PolicyTrainer(load_model(tiny), TrainerConfig(), pad_id=0)
+    assert tr.optimizer.param_groups[0]["fused"] is True
+    state = tr.state_dict(set())
+    for g in state["optimizer"]["param_groups"]:
+        g["fused"] = None
+    again = PolicyTrainer(load_model(tiny), TrainerConfig(), pad_id=0)
+    again.load_state_dict(state)
+    assert all(g["fused"] is True for g in again.optimizer.param_groups)
