@@ -70,14 +70,14 @@ class TrainerConfig(BaseModel):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the weights (and of the AdamW state): keep float32 for small learning rates."""
     autocast_bf16: bool = False
-    """Run the transformer body under CPU/GPU bf16 autocast (float32 master weights and AdamW state); the output
-    layer stays float32 (unless ``output_bf16``) and the log-softmax float32, and the KL reference model is a bf16
-    copy with a float32 output layer
-    (``trainer_service.trainer.reference_model``). Pair it with ``loss.off_policy: decoupled``: bf16 log-probs differ from the
-    behaviour log-probs by numerical noise (``mismatch/onpolicy_abs_logp_diff``, about 0.03 nats per token for
-    SmolLM2 with a bf16 rollout), which a PPO clip against the behaviour policy takes for policy change.
-    Measured on 2 cores: a SmolLM2 trainer step about 1.25x faster alone; the main job in 0.70x the wall time
-    of fp32, held-out accuracy within 0.04 at steps 20 and 30 over 2 seeds (README, "bf16")."""
+    """Run the transformer body under CPU/GPU bf16 autocast (float32 master weights and AdamW state); the
+    log-softmax stays float32, and so does the output layer unless ``output_bf16``. The KL reference model is a
+    bf16 copy (``trainer_service.trainer.reference_model``). Pair it with ``loss.off_policy: decoupled``: bf16
+    log-probs differ from the behaviour log-probs by numerical noise (``mismatch/onpolicy_abs_logp_diff``,
+    about 0.03 nats per token for SmolLM2 with a bf16 rollout), which a PPO clip against the behaviour policy
+    takes for policy change. Measured on 2 cores: a SmolLM2 trainer step about 1.25x faster alone; the main job
+    in 0.70x the wall time of fp32, held-out accuracy within 0.04 at steps 20 and 30 over 2 seeds (README,
+    "bf16")."""
     output_bf16: bool = False
     """Compute the output layer's matmuls (forward and backward, ``[tokens, 576] @ [576, 49152]`` for SmolLM2) in
     bf16 on the CPU's matrix units; the log-sum-exp, the log-probs and the entropy stay float32, the master

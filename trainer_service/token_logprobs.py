@@ -73,6 +73,7 @@ class _TokenLogprobs(torch.autograd.Function):
                 p = torch.empty(k, V, dtype=compute_dtype, device=hidden.device)
                 probs.append(torch.mul(e, total.reciprocal(), out=p))
         ctx.probs = probs
+        ctx.w = w if keep else None  # the weight in the compute dtype, cast once per forward/backward pair
         ctx.meta = (compute_dtype, chunk_tokens)
         ctx.save_for_backward(hidden, weight, targets, inv_temperature, logp)
         ctx.mark_non_differentiable(entropy)
@@ -87,7 +88,7 @@ class _TokenLogprobs(torch.autograd.Function):
         if probs is None:  # backward overwrites the kept softmax in place
             raise RuntimeError("token_logprobs: its graph can be backpropagated only once (no retain_graph)")
         acc = torch.promote_types(weight.dtype, torch.float32)
-        w = weight.detach().to(compute_dtype)
+        w, ctx.w = ctx.w, None
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = None

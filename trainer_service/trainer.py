@@ -134,12 +134,15 @@ def completion_logprobs(model: torch.nn.Module, batch: Batch, autocast_bf16: boo
         inv_t = (1.0 / batch.temperature.to(torch.float64))[:, None].expand(live.shape)[live]  # exact for float64
     lp, ent = token_logprobs(hidden[live], w, batch.completion_ids[live], inv_t,
                              torch.bfloat16 if output_bf16 else None)
-    out = torch.zeros(live.shape, dtype=lp.dtype, device=lp.device)
-    out[live] = lp
     if entropy is not None:
-        full = torch.zeros(live.shape, dtype=ent.dtype, device=ent.device)
-        full[live] = ent
-        entropy.append(full)
+        entropy.append(_padded(ent, live))
+    return _padded(lp, live)
+
+
+def _padded(values: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """``values`` (``[N]``, one per True of ``live``) laid out as ``[B, T]`` like ``live``, 0 elsewhere."""
+    out = torch.zeros(live.shape, dtype=values.dtype, device=values.device)
+    out[live] = values
     return out
 
 
@@ -223,9 +226,9 @@ def reference_model(model: torch.nn.Module, bf16: bool = False, bf16_head: bool 
     """
     ref = copy.deepcopy(model).eval()
     if bf16:
-        head = ref.lm_head.weight.detach().clone().float()
+        head = None if bf16_head else ref.lm_head.weight.detach().clone().float()
         ref.to(torch.bfloat16)
-        if not bf16_head:
+        if head is not None:
             ref.lm_head.weight = torch.nn.Parameter(head)
     for p in ref.parameters():
         p.requires_grad_(False)

@@ -78,7 +78,7 @@ def test_bf16_compute_stays_within_its_rounding_of_float32():
         assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.999
 
 
-def test_without_gradient_nothing_is_kept_and_bad_shapes_are_refused():
+def test_without_gradient_there_is_no_graph_and_bad_shapes_are_refused():
     hidden, weight, targets, _, _ = _inputs()
     with torch.no_grad():
         lp, _ = token_logprobs(hidden.requires_grad_(), weight, targets)
