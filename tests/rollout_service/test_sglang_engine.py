@@ -140,7 +140,8 @@ TRAINER = textwrap.dedent("""
         weights = snapshot_weights(load_model(Path(go.read_text())))
         bc.prepare(version, receivers, weights)
         res = bc.broadcast(version, weights, receivers)
-        (out / f"v{version}.json").write_text(json.dumps(res))
+        (out / f"v{version}.part").write_text(json.dumps(res))
+        os.replace(out / f"v{version}.part", out / f"v{version}.json")  # the test polls for the name
         version += 1
 """)
 
@@ -171,7 +172,9 @@ def trainer(tmp_path):
                                   checksum="sha256:x", transport="distributed", receivers=receivers,
                                   path=str(model_dir))
             update = edit(update) if edit is not None else update
-            (out / f"go{version}").write_text(str(model_dir))
+            # written whole, then renamed: the trainer polls for the name and could read an empty file
+            (out / f"go{version}.part").write_text(str(model_dir))
+            os.replace(out / f"go{version}.part", out / f"go{version}")
             try:
                 rank, world = receiver.session(version)  # the trainer has prepared the session
                 if before_join is not None:
