@@ -71,6 +71,11 @@ class PipelineResult:
     """Trajectories trained after the first step (the steady window's)."""
     problems: list[str] = field(default_factory=list)
     """Exactly-once violations and other failures (empty: the run is good)."""
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    """CPU seconds (user + system, /proc) per process over the steady window (from the poll that saw the
+    trainer's first step to the one that saw its last), the broker's included."""
+    steady_polled: int = 0
+    """Trajectories trained between those two polls (what ``cpu_s`` is divided by)."""
 
     @property
     def per_s(self) -> float:
@@ -167,9 +172,17 @@ def run_pipeline(work: Path, replicas: int, steps: int = 60, batch: int = 64, k:
                     raise RuntimeError(f"POST /v1/tasks: {r.status_code} {r.text[:500]}")
             deadline = time.monotonic() + timeout_s
             lines: list[dict] = []
+            cpu0: dict[str, float] = {}
+            n0 = 0
+            pids = {name: p.pid for name, p in zip(names + ["scheduler"], procs)} | {"broker": broker.pid}
             while time.monotonic() < deadline:
                 lines = _ledger(ledger)
+                if lines and not cpu0:
+                    cpu0 = {name: _cpu_seconds(pid) for name, pid in pids.items()}
+                    n0 = sum(sum(len(i) for i in ln["groups"].values()) for ln in lines)
                 if len(lines) >= steps:
+                    res.cpu_s = {name: _cpu_seconds(pid) - cpu0.get(name, 0.0) for name, pid in pids.items()}
+                    res.steady_polled = sum(sum(len(i) for i in ln["groups"].values()) for ln in lines) - n0
                     break
                 dead = [p for p in procs if p.poll() is not None]
                 if dead:
@@ -184,6 +197,15 @@ def run_pipeline(work: Path, replicas: int, steps: int = 60, batch: int = 64, k:
             for p in procs:
                 stop_pid(p, timeout_s=10)
     return res
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (``/proc/<pid>/stat``); 0.0 when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float) -> None:
@@ -286,6 +308,10 @@ def main() -> int:
             print(f"replicas {r}: {res.per_s:8.0f} trajectories/s steady ({res.steady_trained} in {res.steady_s:.1f} s), "
                   f"{res.wall_per_s:8.0f}/s from the first POST ({res.trained} in {res.wall_s:.1f} s); "
                   f"exactly once: {'yes' if not res.problems else 'NO: ' + '; '.join(res.problems)}", flush=True)
+            per = 1e6 / max(1, res.steady_polled)
+            print(f"  CPU per process, steady window of {res.steady_polled} trajectories (s, µs per trajectory): " + ", ".join(
+                f"{n} {c:.1f} ({c * per:.0f})" for n, c in res.cpu_s.items()) + f"; total {sum(res.cpu_s.values()):.1f}",
+                flush=True)
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -40,7 +40,8 @@ from flywheel.tasks import make_tasks
 from shared.auth import token_from_run_dir
 from shared.client import (SCHEDULER_IDEMPOTENT_POSTS, ApiClient, ApiError, ApiUnreachable, RetryEvent, RetryPolicy,
                            Token)
-from shared.model import resolve_model_dir
+from shared.config import ModelConfig
+from shared.model import SMOLLM2, resolve_model_dir
 
 app = typer.Typer(add_completion=False, help="Flywheel: asynchronous RL post-training over Kafka.")
 console = Console(soft_wrap=True)  # no hard wrapping of log lines when not on a terminal
@@ -236,6 +237,9 @@ def _summarise(result: dict, report: Path | None) -> None:
     rss = result.get("peak_rss_bytes") or {}
     if rss:
         console.print("peak RSS: " + ", ".join(f"{n} {b / 2**20:.0f} MiB" for n, b in sorted(rss.items())))
+    cpu = result.get("cpu_seconds") or {}
+    if cpu:
+        console.print("CPU seconds: " + ", ".join(f"{n} {c:.0f}" for n, c in sorted(cpu.items())))
     if report:
         png = write_report(report, result)
         console.print(f"report: {report} (plot {png})")
@@ -372,6 +376,8 @@ def _report(system: LocalSystem, api: SchedulerApi, cfg, t0: float, before: dict
         "wall_seconds": wall,
         # bytes, VmHWM of each process (the highest over its restarts; the sandbox without its workers)
         "peak_rss_bytes": system.sample_rss(),
+        # user + system CPU seconds of each process over the run (summed over its restarts; sampled with the RSS)
+        "cpu_seconds": system.cpu_seconds,
         "alerts": alert_summary(api.get("/v1/alerts", params={"limit": 10_000})),
         "history": [{"step": h["step"], "policy_version": h["policy_version"],
                      "mean_reward": h["values"].get("train/reward_mean"), "time": h["time"], **h["values"]}
@@ -423,6 +429,11 @@ class RemoteSystem:
 
     def sample_rss(self) -> dict[str, int]:
         """Peak RSS per service is not visible from here (the processes run elsewhere): ``{}``."""
+        return {}
+
+    @property
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time per service is not visible from here either: ``{}``."""
         return {}
 
 
@@ -544,6 +555,20 @@ def _alive(pid: int | None) -> bool:
         return True
     except ProcessLookupError:
         return False
+
+
+@app.command()
+def prepare(config: Annotated[Optional[Path], typer.Argument(help="A job config (its model); default: SmolLM2.")] = None,
+            set_: SetOpt = None) -> None:
+    """Convert and cache the config's model now (SmolLM2's GGUF becomes a transformers directory, about 25 s
+    once), so that a job's ``wall_seconds`` measures the job. ``scripts/install.sh`` runs it."""
+    name, cache = SMOLLM2, ModelConfig().cache_dir
+    if config is not None:
+        cfg, _ = _load(config, set_)
+        name, cache = cfg.model.name, cfg.model.cache_dir
+    t0 = time.monotonic()
+    path = resolve_model_dir(name, cache)
+    console.print(f"model {name}: {path} ({time.monotonic() - t0:.1f} s)")
 
 
 @app.command()

@@ -222,6 +222,8 @@ class LocalSystem:
     :data:`RSS_SAMPLE_S` from :meth:`check`, and for the run report). A service's own process only: the sandbox's
     worker processes are not in its figure."""
     _rss_at: float = 0.0
+    _cpu: dict[str, dict[int, float]] = field(default_factory=dict)
+    """CPU seconds last read per process name and pid (every incarnation after a restart keeps its own)."""
 
     #: Seconds between :meth:`check`'s peak-RSS samples.
     RSS_SAMPLE_S = 5.0
@@ -237,7 +239,17 @@ class LocalSystem:
             hwm = vm_hwm_bytes(pid)
             if hwm:
                 self.peak_rss[name] = max(self.peak_rss.get(name, 0), hwm)
+            cpu = cpu_seconds(pid)
+            if cpu is not None:
+                self._cpu.setdefault(name, {})[pid] = cpu
         return dict(self.peak_rss)
+
+    @property
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) per process name, the broker included, summed over the process's
+        restarts, as of the last :meth:`sample_rss` (a process that died counts up to its last sample; the
+        sandbox without its workers)."""
+        return {name: round(sum(by_pid.values()), 2) for name, by_pid in self._cpu.items()}
 
     @property
     def metrics_urls(self) -> dict[str, str]:
@@ -517,6 +529,17 @@ class LocalSystem:
             "metrics_urls": self.metrics_urls,
         }
         write_private(self.run_dir / "flywheel.json", orjson.dumps(state, option=orjson.OPT_INDENT_2))
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` (``utime`` + ``stime`` of ``/proc/<pid>/stat``); ``None``
+    when the process is gone or the system has no such file."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def vm_hwm_bytes(pid: int) -> int | None:

@@ -9,7 +9,6 @@ the request's trace context), waits for every ack, and counts them in :class:`Ro
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from rollout_service.engine import Sample
 from rollout_service.tool_loop import Rollout
 from shared import kafka, topics
 from shared.schemas import RolloutRequest, Trajectory, VersionSpan
-from shared.telemetry import extract_context
+from shared.telemetry import extract_context, inject_headers
 
 if TYPE_CHECKING:
     from rollout_service.metrics import RolloutMetrics
@@ -192,40 +191,45 @@ async def publish(producer: AIOKafkaProducer, tokenizer, groups: list[Group], po
         aiokafka.errors.KafkaError: a record was not acknowledged for a transient reason (nothing is
             committed then).
     """
-    pending: list[tuple[asyncio.Future, Trajectory, RolloutRequest]] = []
+    out: list[kafka.Outgoing] = []
+    meta: list[tuple[Trajectory, RolloutRequest]] = []
     tracer = trace.get_tracer("rollout")
     limit = getattr(producer, "_max_request_size", None)
     for g in groups:
         r = g.request
+        key = r.group_id.encode()
         picked_ns = min(time.time_ns(), int((r.issued_at + g.timings.get("queue", 0.0)) * 1e9))
         attrs = {"group_id": r.group_id, "domain": r.task.domain, "purpose": r.purpose, "n": r.n,
                  "policy_version": policy_version, "queue_s": g.timings.get("queue", 0.0),
                  "generate_s": g.timings.get("generate", 0.0)}
         with tracer.start_as_current_span("rollout", context=extract_context(g.headers), attributes=attrs,
                                           start_time=picked_ns):
+            headers = inject_headers()
             for i, c in enumerate(g.completions):
                 traj = make_trajectory(g, i, tokenizer)
-                size = kafka.record_size(traj.encode(), r.group_id)
+                value = traj.encode()
+                size = kafka.record_size(value, key, headers)
                 if limit is not None and size > limit:
                     reason = (f"unproducible: MessageSizeTooLargeError: trajectory {traj.trajectory_id} for "
                               f"{topics.TRAJECTORIES} is {size} bytes, over kafka.max_request_size={limit}")
                     traj = _unproducible(traj, reason, r, stats)
-                    if not _fits(producer, traj, r.group_id):  # a huge task: only the dead letter says it
+                    value = traj.encode()
+                    if not _fits(producer, value, key):  # a huge task: only the dead letter says it
                         log.error("group %s: even the error stand-in of %s is too large; not sent", r.group_id,
                                   traj.trajectory_id)
                         continue
-                pending.append((await kafka.send(producer, topics.TRAJECTORIES, traj, r.group_id), traj, r))
+                out.append((topics.TRAJECTORIES, value, key, headers))
+                meta.append((traj, r))
                 stats.add(c, r)
-    retry = []
-    for fut, traj, r in pending:
-        try:
-            await fut
-        except kafka.PERMANENT_PRODUCE_ERRORS as e:
+    errors = await kafka.produce_all(producer, out)
+    retry: list[kafka.Outgoing] = []
+    for (topic, _, key, headers), (traj, r), e in zip(out, meta, errors):
+        if e is not None:
             reason = (f"unproducible: {type(e).__name__}: trajectory {traj.trajectory_id} for {topics.TRAJECTORIES} "
                       f"refused: {e}")[:2000]
-            stand_in = _unproducible(traj, reason, r, stats)
-            retry.append(await kafka.send(producer, topics.TRAJECTORIES, stand_in, r.group_id))
-    await asyncio.gather(*retry)
+            retry.append((topic, _unproducible(traj, reason, r, stats).encode(), key, headers))
+    if retry:
+        await kafka.produce_all(producer, retry)
 
 
 def _unproducible(traj: Trajectory, reason: str, request: RolloutRequest, stats: RolloutStats) -> Trajectory:
@@ -236,7 +240,7 @@ def _unproducible(traj: Trajectory, reason: str, request: RolloutRequest, stats:
     return kafka.unproducible_trajectory(traj, reason)
 
 
-def _fits(producer: AIOKafkaProducer, traj: Trajectory, key: str) -> bool:
-    """Whether ``traj``'s record is within the producer's ``max_request_size``."""
+def _fits(producer: AIOKafkaProducer, value: bytes, key: bytes) -> bool:
+    """Whether a record of ``value`` is within the producer's ``max_request_size``."""
     limit = getattr(producer, "_max_request_size", None)
-    return limit is None or kafka.record_size(traj.encode(), key) <= limit
+    return limit is None or kafka.record_size(value, key) <= limit

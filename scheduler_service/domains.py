@@ -15,7 +15,7 @@ import hashlib
 import re
 import sqlite3
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -157,13 +157,14 @@ class DomainTables:
     """Domain methods of the registry (a mixin: needs ``_tx``, ``_one``, ``_all`` and ``_lock``)."""
 
     _domains: dict[str, DomainRow]
-    _window_moves: list[tuple[str, float, int]]
+    _window_moves: dict[str, tuple[float, int]]
+    """Curriculum windows moved by the open transaction: ``{domain: (recent pass EMA, level samples)}``."""
     _moved: set[str]
 
     # ------------------------------------------------------------ rows
 
     def _load_domains(self) -> None:
-        self._window_moves, self._moved = [], set()
+        self._window_moves, self._moved = {}, set()
         with self._lock:
             self._domains = {r["domain"]: DomainRow.from_sql(r) for r in self._db.execute("SELECT * FROM domains")}
 
@@ -171,11 +172,11 @@ class DomainTables:
         """After a committed reward: the cached rows take the curriculum windows it moved (a level move
         re-reads its row)."""
         with self._lock:
-            for domain, ema, n in self._window_moves:
+            for domain, (ema, n) in self._window_moves.items():
                 row = self._domains.get(domain)
                 if row is not None:
                     row.recent_pass, row.level_samples = ema, n
-            moved, self._window_moves, self._moved = self._moved, [], set()
+            moved, self._window_moves, self._moved = self._moved, {}, set()
         for domain in moved:
             self._refresh(domain)
 
@@ -333,7 +334,7 @@ class DomainTables:
         """Feed one scored training sample of ``domain`` to its level's window; move the level when the
         curriculum says so (see :class:`scheduler_service.config.CurriculumConfig`). Returns a log line
         when the level moved."""
-        d = self._domains.get(domain)
+        d = self._tx_domain(db, domain)
         if d is None or task_level != d.config.level:
             return None
         cur = d.config.curriculum
@@ -349,7 +350,7 @@ class DomainTables:
                 move = -1
         if not move:
             db.execute("UPDATE domains SET recent_pass = ?, level_samples = ? WHERE domain = ?", (ema, n, domain))
-            self._window_moves.append((domain, ema, n))  # applied to the cached row once the transaction commits
+            self._window_moves[domain] = (ema, n)  # applied to the cached row once the transaction commits
             return None
         new = d.config.model_copy(update={"level": d.config.level + move})
         self._write_domain(db, domain, new)
@@ -359,6 +360,19 @@ class DomainTables:
         self._event(db, domain, kind, old=d.config.level, new=new.level,
                     recent_pass=round(ema, 4), samples=n)
         return f"domain {domain} {kind} to level {new.level} (recent pass rate {ema:.2f} over {n} samples)"
+
+    def _tx_domain(self, db: sqlite3.Connection, domain: str) -> DomainRow | None:
+        """``domain``'s row as the open transaction sees it: the cached row with the curriculum window that
+        earlier rewards of the same transaction moved (:meth:`Registry.record_rewards` records a batch in one),
+        re-read from ``db`` once its level moved in it."""
+        if domain in self._moved:
+            r = db.execute("SELECT * FROM domains WHERE domain = ?", (domain,)).fetchone()
+            return DomainRow.from_sql(r) if r is not None else None
+        d = self._domains.get(domain)
+        if d is not None and domain in self._window_moves:
+            ema, n = self._window_moves[domain]
+            return replace(d, recent_pass=ema, level_samples=n)
+        return d
 
     def _lifecycle(self, db: sqlite3.Connection, g: sqlite3.Row, now: float) -> str | None:
         """Account a completed training group for its task's lifecycle and its domain's group cost.

@@ -54,7 +54,7 @@ from scheduler_service.config import SchedulerSettings
 from scheduler_service.guard import DriftGuard
 from scheduler_service.issuing import IssuePlanner, TaskMaker
 from scheduler_service.metrics import SchedulerMetrics
-from scheduler_service.registry import IssuedGroup, Registry
+from scheduler_service.registry import IssuedGroup, Registry, RewardOutcome
 from scheduler_service.reports import Reporter
 from scheduler_service.stats import Stats
 from shared import topics
@@ -506,7 +506,9 @@ class Sampler:
 
     async def _consume(self, consumer: AIOKafkaConsumer, handle, commit: bool, on_start=None) -> None:
         """Run ``consumer`` until stopped, or until a broker restart is handled (:attr:`broker_restarts` moves:
-        the caller's :meth:`_restarting` then builds a new consumer, from the committed or earliest offsets)."""
+        the caller's :meth:`_restarting` then builds a new consumer, from the committed or earliest offsets).
+        ``handle`` takes each polled batch as one list of records (in partition order); when it raises, the
+        batch is read again."""
         epoch = self.broker_restarts
         try:
             await asyncio.wait_for(consumer.start(), CONSUMER_START_TIMEOUT_S)
@@ -526,9 +528,7 @@ class Sampler:
                 if not batch:
                     continue
                 try:
-                    for msgs in batch.values():
-                        for msg in msgs:
-                            await handle(msg)
+                    await handle([msg for msgs in batch.values() for msg in msgs])
                 except asyncio.CancelledError:
                     raise
                 except Exception:
@@ -554,13 +554,20 @@ class Sampler:
     async def _rewards_loop(self) -> None:
         consumer = make_consumer(self.cfg.kafka, topics.REWARDS, topics.GROUP_DROPS,
                                  group_id=self.cfg.scheduler.consumer_group, client_id="scheduler-rewards")
-        await self._consume(consumer, self._on_outcome, commit=True)
+        await self._consume(consumer, self._on_outcomes, commit=True)
 
-    async def _on_outcome(self, msg) -> None:
-        if msg.topic == topics.GROUP_DROPS:
-            await self._on_drop(msg)
-        else:
-            await self._on_reward(msg)
+    async def _on_outcomes(self, msgs: list) -> None:
+        """One polled batch of flywheel.rewards and flywheel.group_drops records, in order: each run of
+        consecutive rewards is recorded in one registry transaction (:meth:`Registry.record_rewards`)."""
+        rewards: list = []
+        for msg in msgs:
+            if msg.topic == topics.GROUP_DROPS:
+                await self._on_rewards(rewards)
+                rewards = []
+                await self._on_drop(msg)
+            else:
+                rewards.append(msg)
+        await self._on_rewards(rewards)
 
     async def _decode(self, msg, cls):
         """Decode ``msg`` as ``cls``; a malformed record is dead-lettered, counted, and ``None`` returned."""
@@ -580,14 +587,19 @@ class Sampler:
                         "given back and a new group will be issued", ev.group_id, ev.reason, ev.behaviour_version,
                         ev.policy_version)
 
-    async def _on_reward(self, msg) -> None:
-        ev = await self._decode(msg, RewardEvent)
-        if ev is None:
+    async def _on_rewards(self, msgs: list) -> None:
+        """Decode flywheel.rewards records (malformed ones dead-lettered), record them in one registry
+        transaction, then act on each outcome in order (pauses, the drift guard, stats, metrics, logs)."""
+        events = [ev for ev in [await self._decode(m, RewardEvent) for m in msgs] if ev is not None]
+        if not events:
             return
         budget = self.cfg.budget
         # no re-samples once the trainer is done: nothing would train them
         resample_n = budget.resample_unsolved if self.registry.policy_version < budget.max_steps else 0
-        outcome = self.registry.record_reward(ev, resample_n)
+        for ev, outcome in zip(events, self.registry.record_rewards(events, resample_n)):
+            await self._after_reward(ev, outcome)
+
+    async def _after_reward(self, ev: RewardEvent, outcome: RewardOutcome) -> None:
         # only events of this registry's groups (another deployment's tasks are not ours to pause)
         if ev.misconfigured and outcome.new and self.registry.pause_domain(ev.domain, ev.reason or "misconfigured",
                                                                            ev.task_id):
@@ -609,7 +621,7 @@ class Sampler:
     async def _watch_loop(self) -> None:
         consumer = make_consumer(self.cfg.kafka, topics.WEIGHTS, topics.METRICS, group_id=None,
                                  client_id="scheduler-watch")
-        await self._consume(consumer, self._on_watch, commit=False)
+        await self._consume(consumer, _each(self._on_watch), commit=False)
 
     async def _on_watch(self, msg) -> None:
         if msg.topic == topics.WEIGHTS:
@@ -629,7 +641,7 @@ class Sampler:
         # a new deployment starts at the end: commands sent to an earlier run on this broker are not ours
         consumer = make_consumer(self.cfg.kafka, topics.CONTROL, group_id=f"{self.cfg.scheduler.consumer_group}-control",
                                  client_id="scheduler-control", offset_reset="latest")
-        await self._consume(consumer, self.guard.on_control, commit=True, on_start=self._control_positioned)
+        await self._consume(consumer, _each(self.guard.on_control), commit=True, on_start=self._control_positioned)
 
     async def _control_positioned(self, consumer: AIOKafkaConsumer) -> None:
         """Wait for the control consumer's partitions and resolve its start offsets, then set
@@ -642,3 +654,11 @@ class Sampler:
         for tp in consumer.assignment():
             await consumer.position(tp)
         self.guard.control_ready.set()
+
+
+def _each(handle):
+    """A batch handler for :meth:`Sampler._consume` that awaits ``handle(record)`` for each record in order."""
+    async def handle_batch(msgs: list) -> None:
+        for msg in msgs:
+            await handle(msg)
+    return handle_batch

@@ -44,6 +44,8 @@ class Group:
     size: int
     samples: dict[int, ScoredTrajectory] = field(default_factory=dict)
     offsets: list[tuple[Partition, int]] = field(default_factory=list)
+    _oldest: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)
+    """``(samples seen, their oldest behaviour version)`` when :attr:`behaviour_version` last computed it."""
 
     @property
     def complete(self) -> bool:
@@ -75,8 +77,15 @@ class Group:
 
     @property
     def behaviour_version(self) -> int:
-        """Oldest policy version that produced any token of the group."""
-        return min(s.trajectory.behaviour_version for s in self.samples.values())
+        """Oldest policy version that produced any token of the group (kept until a sample is added: the
+        trainer asks for every ready group on every pass).
+
+        Raises:
+            ValueError: the group has no sample yet.
+        """
+        if self._oldest is None or self._oldest[0] != len(self.samples):
+            self._oldest = (len(self.samples), min(s.trajectory.behaviour_version for s in self.samples.values()))
+        return self._oldest[1]
 
 
 class GroupBuffer:

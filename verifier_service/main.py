@@ -23,14 +23,15 @@ from shared import topics
 from shared.kafka import (
     BROKER_ERRORS,
     BrokerLost,
-    PERMANENT_PRODUCE_ERRORS,
     BrokerWatch,
+    Outgoing,
     commit_batch,
     dead_letter,
     ensure_topics,
     make_consumer,
     make_producer,
     prepare_service,
+    produce_all,
     reconnect_pause,
     record_size,
     send,
@@ -209,42 +210,42 @@ async def _score(msg: ConsumerRecord, producer: Any, scorer: Scorer, cfg: Verifi
 
 async def _produce_batch(producer: Any, outcomes: list[_Outcome], counters: _Counters,
                          prom: VerifierMetrics | None) -> None:
-    """Produce every outcome's ScoredTrajectory (key group_id) and RewardEvent (key task_id), one ``send`` after
-    the other without waiting for each ack, then wait for all the acks.
+    """Produce every outcome's ScoredTrajectory (key group_id) and RewardEvent (key task_id) in batches
+    (:func:`shared.kafka.produce_all`), then wait for all the acks.
 
-    A record over ``max_request_size`` (checked before sending) or refused by the broker
-    (:data:`PERMANENT_PRODUCE_ERRORS`, seen on its ack) dead-letters its source record, which is reported downstream as a failed sample
-    (:func:`_report_unproducible`) and committed past. Sends are sequential on purpose: thousands of concurrent
-    ``send`` calls on a full batch all wake on every drain of aiokafka's accumulator (a profile of the null
-    pipeline spent most of the verifier's time there).
+    A record over ``max_request_size`` (checked before sending: then neither of the outcome's records is sent)
+    or refused by the broker (:data:`shared.kafka.PERMANENT_PRODUCE_ERRORS`, seen on its ack) dead-letters its
+    source record, which is reported downstream as a failed sample (:func:`_report_unproducible`) and committed
+    past. One ``send`` per record cost about three times the CPU; thousands of concurrent ``send`` calls on a
+    full batch all woke on every drain of aiokafka's accumulator (a profile of the null pipeline spent most of
+    the verifier's time there).
 
     Raises:
         aiokafka.errors.KafkaError: a transient failure (the caller does not commit).
     """
     limit = getattr(producer, "_max_request_size", None)
-    sent: list[tuple[_Outcome, list]] = []
+    sent: list[_Outcome] = []
+    out: list[Outgoing] = []
     for o in outcomes:
         traj = o.traj
         with trace.use_span(o.span, end_on_exit=False):
             headers = inject_headers()
-        records = [(topics.SCORED, ScoredTrajectory.of(traj, o.reward).encode(), traj.group_id),
-                   (topics.REWARDS, reward_event(traj, o.reward, o.cost, o.scored_at).encode(), traj.task.task_id)]
-        too_big = next(((t, n) for t, v, k in records if limit is not None
+        records = [(topics.SCORED, ScoredTrajectory.of(traj, o.reward).encode(), traj.group_id.encode(), headers),
+                   (topics.REWARDS, reward_event(traj, o.reward, o.cost, o.scored_at).encode(),
+                    traj.task.task_id.encode(), headers)]
+        too_big = next(((t, n) for t, v, k, _ in records if limit is not None
                         and (n := record_size(v, k, headers)) > limit), None)
-        if too_big is not None:
+        if too_big is not None:  # neither of its records is sent: the stand-in speaks for it
             reason = (f"unproducible: MessageSizeTooLargeError: the record for {too_big[0]} is {too_big[1]} bytes, "
                       f"over kafka.max_request_size={limit}")
             await _unproducible(producer, o, reason, counters, prom)
             continue
-        futs = [(t, len(v), await producer.send(t, v, key=k.encode(), headers=headers)) for t, v, k in records]
-        sent.append((o, futs))
-    for o, futs in sent:
-        reason = None
-        for t, n, fut in futs:
-            try:
-                await fut
-            except PERMANENT_PRODUCE_ERRORS as e:
-                reason = reason or f"unproducible: {type(e).__name__}: record for {t} is {n} bytes: {e}"[:2000]
+        sent.append(o)
+        out.extend(records)
+    errors = await produce_all(producer, out)
+    for n, o in enumerate(sent):
+        reason = next((f"unproducible: {type(e).__name__}: record for {t} is {len(v)} bytes: {e}"[:2000]
+                       for (t, v, _, _), e in zip(out[2 * n:2 * n + 2], errors[2 * n:2 * n + 2]) if e is not None), None)
         if reason is not None:
             await _unproducible(producer, o, reason, counters, prom)
             continue

@@ -91,6 +91,8 @@ def test_flywheel_run_survives_a_kill_9_of_the_scheduler(tiny, tmp_path):
     rss = rep["peak_rss_bytes"]
     assert set(rss) == {"broker", "scheduler", "rollout", "verifier", "trainer", "sandbox"}, rss
     assert all(2**20 < b < 2**35 for b in rss.values()), rss
+    cpu = rep["cpu_seconds"]  # CPU seconds per process, both scheduler incarnations summed
+    assert set(cpu) == set(rss) and all(0 < c < rep["wall_seconds"] * os.cpu_count() for c in cpu.values()), cpu
     # the CLI said once that it rides through, and that the scheduler came back; the supervisor restarted it
     assert log.count("scheduler unreachable") == 1, log[-4000:]
     assert "scheduler answering again after" in log and str(victim) in log, log[-4000:]

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from flywheel.config import load_config
-from flywheel.launcher import SERVICES, LocalSystem, RestartPolicy
+from flywheel.launcher import SERVICES, LocalSystem, RestartPolicy, cpu_seconds
 from flywheel.tasks import make_tasks
 from shared.auth import auth_headers
 from shared.model import build_tiny_model
@@ -154,3 +154,15 @@ def test_training_resumes_after_a_broker_kill_9(system):
     assert system.broker.port == port and system.broker.pid != old_pid
     assert None not in times, f"training did not resume within {BROKER_STEP_BOUND_S:.0f} s:\n{joined}"
     assert all(e.process == "broker" or not e.counted for e in system.events), system.events
+
+
+def test_cpu_seconds_per_process_sum_every_incarnation(system):
+    """The run report's ``cpu_seconds``: every process of the system has a figure, and the broker's (killed
+    and restarted by the test before) counts both its processes, not only the live one."""
+    system.sample_rss()
+    cpu = system.cpu_seconds
+    assert set(cpu) == {*SERVICES, "broker"}, cpu
+    assert all(c > 0 for c in cpu.values()), cpu
+    live = cpu_seconds(system.broker.pid)
+    assert live is not None and len(system._cpu["broker"]) == 2 and cpu["broker"] > live, (cpu, live)
+    assert cpu_seconds(2**22 + 1) is None  # no such process

@@ -244,3 +244,62 @@ def test_a_domain_with_few_tasks_still_gets_its_share(reg):
     groups = _issue(reg, planner, 8)
     assert Counter(g.task.domain for g in groups) == {"small": 6, "big": 2}
     assert len({g.group_id for g in groups}) == 8  # the one task's groups are distinct groups
+
+
+def _registry_state(reg: Registry) -> dict:
+    """Everything a reward writes, by table (times left out)."""
+    with reg._lock:
+        db = reg._db
+        return {
+            "groups": [tuple(r) for r in db.execute(
+                'SELECT group_id, state, received, n, resample_of FROM "groups" ORDER BY group_id')],
+            "rewards": [tuple(r) for r in db.execute(
+                "SELECT trajectory_id, counted, passed FROM rewards ORDER BY trajectory_id")],
+            "tasks": [tuple(r) for r in db.execute(
+                "SELECT task_id, samples, passes, pass_streak, groups_done, retired, flagged FROM tasks ORDER BY task_id")],
+            "domains": [tuple(r) for r in db.execute(
+                "SELECT domain, config, recent_pass, level_samples FROM domains ORDER BY domain")],
+            "spend": [tuple(r) for r in db.execute("SELECT domain, purpose, samples, groups FROM spend ORDER BY domain")],
+            "events": [tuple(r) for r in db.execute("SELECT domain, kind, detail FROM domain_events ORDER BY id")],
+        }
+
+
+def test_a_batch_of_rewards_in_one_transaction_records_what_one_at_a_time_does(tmp_path):
+    """``record_rewards`` (one transaction per polled batch) against ``record_reward`` per event on a twin
+    registry: the same outcomes and the same rows, with the curriculum window moving many times within the
+    batch (a promotion, then samples counted at the new level), redeliveries, an infrastructure error and an
+    unsolved group that re-samples."""
+    levels = [{"difficulty": [0, 0]}, {"difficulty": [1, 1]}]
+    cfg = DomainConfig(levels=levels, curriculum={"mode": "adaptive", "promote_above": 0.7, "demote_below": 0.1,
+                                                  "window": 4, "min_samples": 6},
+                       lifecycle={"retire_after": 2, "flag_after": 2})
+    regs = [Registry(tmp_path / f"{name}.db") for name in ("one", "batch")]
+    try:
+        issued = []
+        for reg in regs:
+            reg.put_domain("c", cfg)
+            reg.register([_task(f"e{i}", "c", 0.0, k=4) for i in range(4)] + [_task(f"h{i}", "c", 1.0, k=4)
+                                                                            for i in range(2)])
+            issued.append(reg.issue_train_groups(["e0", "e1", "e2", "h0", "h1"], deadline_s=60))
+        assert [g.group_id for g in issued[0]] == [g.group_id for g in issued[1]]
+        events = []
+        for g in issued[0]:
+            for i in range(g.n):
+                passed = g.task.task_id in ("e0", "e1") or (g.task.task_id == "h0" and i % 2 == 0)
+                ev = _ev(g.group_id, g.task.task_id, "c", i, g.n, passed)
+                if g.task.task_id == "e2" and i == 1:
+                    ev = ev.model_copy(update={"infra_error": True, "passed": False, "reward": 0.0})
+                events.append(ev)
+        events[3:3] = [events[0], events[1]]  # redelivered within the batch
+        events.append(events[-1])  # and at its end
+        one = [regs[0].record_reward(ev, resample_n=8) for ev in events]
+        batch = regs[1].record_rewards(events, resample_n=8)
+        assert batch == one
+        assert any(o.resample is not None for o in one)  # h1: nothing passed, all rewards equal
+        moved = _registry_state(regs[0])
+        assert [e[1] for e in moved["events"]] == ["promoted", "demoted"]  # the level moved twice within the batch
+        assert _registry_state(regs[1]) == moved
+        assert regs[1].domain("c") == regs[0].domain("c")  # the cached rows too
+    finally:
+        for reg in regs:
+            reg.close()
