@@ -593,13 +593,13 @@ class Sampler:
         events = [ev for ev in [await self._decode(m, RewardEvent) for m in msgs] if ev is not None]
         if not events:
             return
-        budget = self.cfg.budget
+        budget, version = self.cfg.budget, self.registry.policy_version
         # no re-samples once the trainer is done: nothing would train them
-        resample_n = budget.resample_unsolved if self.registry.policy_version < budget.max_steps else 0
+        resample_n = budget.resample_unsolved if version < budget.max_steps else 0
         for ev, outcome in zip(events, self.registry.record_rewards(events, resample_n)):
-            await self._after_reward(ev, outcome)
+            await self._after_reward(ev, outcome, version)
 
-    async def _after_reward(self, ev: RewardEvent, outcome: RewardOutcome) -> None:
+    async def _after_reward(self, ev: RewardEvent, outcome: RewardOutcome, version: int) -> None:
         # only events of this registry's groups (another deployment's tasks are not ours to pause)
         if ev.misconfigured and outcome.new and self.registry.pause_domain(ev.domain, ev.reason or "misconfigured",
                                                                            ev.task_id):
@@ -608,10 +608,10 @@ class Sampler:
             await self.guard.announce(ev.domain)
         if outcome.counted:
             await self.guard.on_reward(ev, selected=outcome.selected)
-        self.stats.on_reward(ev, outcome, self.registry.policy_version)
-        self.metrics.reward(ev, outcome, self.registry.policy_version)
+        self.stats.on_reward(ev, outcome, version)
+        self.metrics.reward(ev, outcome, version)
         if outcome.completed:
-            log.info("group %s complete", ev.group_id)
+            log.debug("group %s complete", ev.group_id)  # per group: thousands a second in the null pipeline
         for note in outcome.notes:
             log.info("%s", note)
         if outcome.resample is not None:  # written pending: the issue loop sends it on its next pass

@@ -26,6 +26,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from shared.config import RunConfig, TelemetryConfig
 
 _provider: TracerProvider | None = None
+_recording = True
+"""Set by :func:`setup_tracing`: an exporter is attached (:func:`recording`)."""
 
 SCHEDULE_DELAY_MS = 1000
 """How often the batch processor writes the local span store (ms; ``$OTEL_BSP_SCHEDULE_DELAY`` overrides):
@@ -71,11 +73,29 @@ def setup_tracing(service: str, telemetry_cfg: TelemetryConfig | None = None,
     """Install the tracer provider of :func:`build_tracer_provider` (once per process: later calls keep
     the first provider) and return ``service``'s tracer. Services pass their ``settings.telemetry`` and
     ``settings.run``; call :func:`flush_tracing` on the way out."""
-    global _provider
+    global _provider, _recording
     if _provider is None:
         _provider = build_tracer_provider(service, telemetry_cfg, run_cfg)
         trace.set_tracer_provider(_provider)
+        # the SDK keeps its processors privately; when that changes, assume spans are exported
+        processors = getattr(getattr(_provider, "_active_span_processor", None), "_span_processors", None)
+        _recording = processors is None or bool(processors)
     return trace.get_tracer(service)
+
+
+def recording() -> bool:
+    """Whether this process's spans go anywhere (an exporter is attached: ``telemetry.traces`` is not
+    ``off``). A hot loop may skip making spans when not: :func:`trace_headers` passes the context on."""
+    return _recording
+
+
+_TRACE_HEADERS = ("traceparent", "tracestate")
+
+
+def trace_headers(headers: Iterable[tuple[str, bytes]] | None) -> list[tuple[str, bytes]]:
+    """The W3C trace-context headers of a Kafka record, to pass on unchanged (the context flows through a
+    process that records no span: the next span downstream is a child of the last one recorded)."""
+    return [(k, v) for k, v in (headers or ()) if k in _TRACE_HEADERS]
 
 
 def flush_tracing(timeout_s: float = 5.0) -> bool:

@@ -246,6 +246,18 @@ _LIST_SEP = re.compile(r",|;|\s+or\s+|\s+and\s+", re.IGNORECASE)
 _NUM_TOKEN = re.compile(rf"(?<![\w.]){_NUM}(?![\w]|\.\d)")
 
 
+_OR_WS = re.compile(r"\sor\s", re.IGNORECASE)
+
+
+def _may_state_answers(body: str) -> bool:
+    """False only when no pattern of :func:`_stated_answers` can match ``body`` (each needs "answer",
+    ``\\boxed``, "solutions"/"values" or, in the last line, "… or …"): most short completions, which then
+    skip its dozen regular expressions."""
+    low = body.lower()
+    return ("answer" in low or "\\boxed" in body or "solution" in low or "value" in low
+            or _OR_WS.search(body.strip().rsplit("\n", 1)[-1][-200:]) is not None)
+
+
 def _stated_answers(body: str, boxes: bool = True) -> list[tuple[str, str]]:
     """The ``(text, how)`` answers ``body`` states, in order: ``<answer>`` tags, "Final answer:" lines and
     (with ``boxes``) ``\\boxed{}`` (``how`` ""), less a box that is the right-hand side of an equation
@@ -253,6 +265,8 @@ def _stated_answers(body: str, boxes: bool = True) -> list[tuple[str, str]]:
     step, not an answer), and a "Final answer:" line holding a tag or a counted box (the answer it
     holds is counted itself); then prose answers (``how`` "weak": "Answer:" lines, "the answer is"
     sentences, "44 or 45" in the last line; "list": "Possible answers: …")."""
+    if not _may_state_answers(body):
+        return []
     spans = answer_tag_spans(body)
     items = [(a, body[a:b], "", False) for a, b in spans]
     tags_at = [a for a, _ in spans]

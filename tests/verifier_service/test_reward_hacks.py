@@ -433,3 +433,23 @@ async def test_a_loose_tag_hedge_scores_zero_and_the_restated_gold_scores_one():
     numeric = _spec({"kind": "numeric", "answer": 45})
     assert (await s.score(numeric, "It is 44 or 45.")).total == 0.0
     await s.close()
+
+
+def test_the_answer_prefilter_never_changes_what_is_stated(monkeypatch):
+    """``_may_state_answers`` only skips work: over random bodies built from every pattern's trigger words,
+    ``_stated_answers`` gives the same with the prefilter as without it, and a bare number skips the scan."""
+    import random
+
+    from verifier_service import hacks
+
+    bits = ["The answer is 42.", "Answer: 7", "Final answer: 3", "<answer>5</answer>", "\\boxed{9}", "x = \\boxed{2}",
+            "Possible answers: 1, 2", "candidate values: 4 or 5", "44 or 45", "44\tOR 45", "so", "\n", " ", "7",
+            "values", "solution", "ANSWER", "or", "for", "more"]
+    rng = random.Random(0)
+    bodies = ["7", "", "abc"] + ["".join(rng.choice(bits) + rng.choice(["", " ", "\n"]) for _ in range(rng.randint(1, 6)))
+                                 for _ in range(3000)]
+    with_filter = [hacks._stated_answers(b) for b in bodies]
+    monkeypatch.setattr(hacks, "_may_state_answers", lambda body: True)
+    assert [hacks._stated_answers(b) for b in bodies] == with_filter
+    monkeypatch.undo()
+    assert not hacks._may_state_answers("7") and hacks._may_state_answers("it is 7 or 8")
