@@ -332,6 +332,17 @@ class SchedulerConfig(BaseModel):
     """Run a held-out evaluation every this many policy versions (0 = only when asked over REST)."""
     eval_before_training: bool = True
     """Evaluate the held-out split at policy version 0 before any training request is issued."""
+    eval_timing: Literal["slack", "at_once"] = "slack"
+    """When an eval round's requests are sent. ``slack``: in the rollout's slack, in chunks of
+    ``eval_chunk_groups``: a chunk goes once no training group and no eval group is in flight (the rollout has
+    generated everything the trainer's next step needs), so evaluation does not delay training data; a round
+    waiting longer than ``eval_max_wait_s`` goes whole. ``at_once``: the whole round at once, ahead of the
+    training groups issued in the same pass (before issue 20: the main job's trainer waited 6-12 s for data
+    after each round)."""
+    eval_chunk_groups: int = Field(32, ge=1, le=100_000)
+    """Eval groups sent per slack moment (``eval_timing: slack``)."""
+    eval_max_wait_s: float = Field(30.0, ge=0.0)
+    """Seconds an eval round may wait for slack before the rest of it is sent at once (``eval_timing: slack``)."""
     max_tokens: int = Field(24, ge=1, le=32768)
     """Default ``max_new_tokens`` of the rollout requests."""
     temperature: float = Field(1.0, ge=0.0, le=10.0)

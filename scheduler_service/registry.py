@@ -499,6 +499,15 @@ class Registry(DomainTables, MonitorTables):
         )
         return int(row["issued"]), int(row["fl"])
 
+    def eval_backlog(self) -> tuple[float | None, int]:
+        """``(created_at, in_flight)`` of evaluation groups: the creation time (Unix s) of the oldest eval round
+        with a group still ``pending`` (``None``: none waits), and how many eval groups are ``issued``."""
+        row = self._one(
+            'SELECT (SELECT MIN(r.created_at) FROM "groups" g JOIN eval_rounds r ON r.id = g.eval_round'
+            " WHERE g.state = 'pending' AND g.purpose = 'eval') AS oldest,"
+            ' (SELECT COUNT(*) FROM "groups" WHERE state = \'issued\' AND purpose = \'eval\') AS fl')
+        return row["oldest"], int(row["fl"])
+
     def group_state_counts(self) -> dict[str, int]:
         """Groups per state (all purposes), every state present."""
         out = {"pending": 0, "issued": 0, "complete": 0, "abandoned": 0}
@@ -554,14 +563,15 @@ class Registry(DomainTables, MonitorTables):
         return self._group(row["group_id"], payload, row["purpose"], row["attempt"],
                            row["n"], row["eval_round"], mpv)
 
-    def take_pending(self, deadline_s: float, limit: int = 1000) -> list[IssuedGroup]:
-        """Mark up to ``limit`` pending groups ``issued`` (deadline now + ``deadline_s``) and return them;
+    def take_pending(self, deadline_s: float, limit: int = 1000, purpose: str | None = None) -> list[IssuedGroup]:
+        """Mark up to ``limit`` pending groups ``issued`` (deadline now + ``deadline_s``) and return them, oldest
+        first, only those of ``purpose`` (``train``: re-samples of unsolved groups; ``eval``) when given;
         groups released after a failed send wait until their ``retry_at``."""
         now = time.time()
         with self._tx() as db:
             rows = db.execute(
                 'SELECT * FROM "groups" WHERE state = \'pending\' AND (retry_at IS NULL OR retry_at <= ?)'
-                " ORDER BY rowid LIMIT ?", (now, limit)
+                " AND (? IS NULL OR purpose = ?) ORDER BY rowid LIMIT ?", (now, purpose, purpose, limit)
             ).fetchall()
             for r in rows:
                 db.execute('UPDATE "groups" SET state = \'issued\', issued_at = ?, deadline = ? WHERE group_id = ?',

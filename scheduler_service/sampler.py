@@ -234,8 +234,9 @@ class Sampler:
             await self._sleep(self.cfg.scheduler.poll_interval_s)
 
     async def tick(self) -> None:
-        """One pass: deadlines, automatic evals, pending eval groups, the guard, the flywheel.metrics reports,
-        then new training groups."""
+        """One pass: deadlines, automatic evals, pending re-samples, the guard, the flywheel.metrics reports,
+        new training groups, then pending eval groups (:meth:`_send_evals`; before the training groups with
+        ``eval_timing: at_once``)."""
         sc = self.cfg.scheduler
         reissued, abandoned = self.registry.expire_groups(sc.group_deadline_s, sc.max_attempts)
         for gid in abandoned:
@@ -245,14 +246,36 @@ class Sampler:
             log.info("re-issuing %d groups past their deadline", len(reissued))
             await self._send(reissued)
         self._auto_eval()
-        pending = self.registry.take_pending(sc.group_deadline_s)
+        if sc.eval_timing == "at_once":
+            await self._send_evals()
+        pending = self.registry.take_pending(sc.group_deadline_s, purpose="train")  # re-samples of unsolved groups
         if pending:
             await self._send(pending)
         await self.guard.tick(self._issue_probe)
         await self.reports.tick()  # finished eval rounds and the periodic gauges on flywheel.metrics
         if self.training_allowed():
             await self._issue_training()
+        if sc.eval_timing == "slack":
+            await self._send_evals()
         self._make_tasks()
+
+    async def _send_evals(self) -> None:
+        """Send pending eval groups (``scheduler.eval_timing``): all of them with ``at_once``; with ``slack`` a
+        chunk of ``eval_chunk_groups`` once no training or eval group is in flight, or all of them once the oldest
+        waiting round is ``eval_max_wait_s`` old."""
+        sc = self.cfg.scheduler
+        limit = 1_000_000
+        if sc.eval_timing == "slack":
+            oldest, eval_in_flight = self.registry.eval_backlog()
+            if oldest is None:
+                return
+            if time.time() - oldest < sc.eval_max_wait_s:
+                if eval_in_flight or self.registry.train_group_counts()[1]:
+                    return  # the rollout has work the trainer waits for: evaluation fills its slack later
+                limit = sc.eval_chunk_groups
+        pending = self.registry.take_pending(sc.group_deadline_s, limit, purpose="eval")
+        if pending:
+            await self._send(pending)
 
     def _make_tasks(self) -> None:
         """Start one background pass of :class:`TaskMaker` when a generator domain needs tasks."""

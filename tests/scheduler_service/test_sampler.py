@@ -143,7 +143,9 @@ async def test_eval_before_training_then_rest_eval_round(make_config, kafka_cfg,
     train_id, eval_ids = f"{unique}-tr", [f"{unique}-e{i}" for i in range(2)]
     requests = await reader(topics.ROLLOUT_REQUESTS)
     mine = lambda r: r.task.task_id in (train_id, *eval_ids)  # noqa: E731
-    async with running(_cfg(make_config, kafka_cfg, unique, eval_before_training=True)) as (client, state):
+    # at_once: round 1 is asked for while the training group is in flight (slack timing: the next test)
+    async with running(_cfg(make_config, kafka_cfg, unique, eval_before_training=True,
+                            eval_timing="at_once")) as (client, state):
         body = {"tasks": [task(train_id)] + [task(e, split="eval") for e in eval_ids]}
         assert (await client.post("/v1/tasks", json=body)).status_code == 202
 
@@ -170,6 +172,56 @@ async def test_eval_before_training_then_rest_eval_round(make_config, kafka_cfg,
         listed = (await client.get("/v1/evals")).json()
         assert [e["eval_round"] for e in listed] == [0, 1]
         assert [e["accuracy"] for e in (await client.get("/v1/status")).json()["evals"]] == [0.5, 1.0]
+
+
+async def test_eval_groups_fill_the_rollouts_slack_in_chunks(make_config, kafka_cfg, unique, running, task,
+                                                              kafka_io):
+    """``eval_timing: slack``: an eval round asked for while a training group is in flight waits; once nothing
+    is in flight a chunk of ``eval_chunk_groups`` goes, the next chunk once that one is answered."""
+    producer, reader = kafka_io
+    train_ids, eval_ids = [f"{unique}-tr{i}" for i in range(3)], [f"{unique}-e{i}" for i in range(5)]
+    requests = await reader(topics.ROLLOUT_REQUESTS)
+    mine = lambda r: r.task.task_id in (*train_ids, *eval_ids)  # noqa: E731
+    evals = lambda r: mine(r) and r.purpose == "eval"  # noqa: E731
+    cfg = _cfg(make_config, kafka_cfg, unique, eval_timing="slack", eval_chunk_groups=2, eval_max_wait_s=300.0)
+    async with running(cfg) as (client, state):
+        body = {"tasks": [task(t) for t in train_ids] + [task(e, split="eval") for e in eval_ids]}
+        assert (await client.post("/v1/tasks", json=body)).status_code == 202
+        (train,) = await collect(requests, RolloutRequest, mine, want=1, settle_s=0.5)
+        assert train.purpose == "train"
+        assert (await client.post("/v1/evals", json={"min_policy_version": 0})).json() == {"eval_round": 0}
+        assert await collect(requests, RolloutRequest, evals, want=1, timeout_s=1.5) == []  # training in flight
+        for i in range(train.n):
+            await _produce(producer, topics.REWARDS, _reward(train, i, i == 0), train.task.task_id)
+        seen: set[str] = set()
+        for want in (2, 2, 1):  # one chunk at a time, the next once it is answered
+            chunk = await collect(requests, RolloutRequest, evals, want=want, settle_s=1.0)
+            assert len(chunk) == want and not {r.group_id for r in chunk} & seen, (want, chunk)
+            seen |= {r.group_id for r in chunk}
+            for r in chunk:
+                await _produce(producer, topics.REWARDS, _reward(r, 0, True), r.task.task_id)
+        assert len(seen) == 5 and await wait_for(lambda: state.registry.eval_round(0)["done"])
+
+
+async def test_an_eval_round_that_waited_its_longest_goes_whole(make_config, kafka_cfg, unique, running, task,
+                                                                kafka_io):
+    """``eval_timing: slack`` with a training group in flight that is never answered: the round goes whole once
+    it waited ``eval_max_wait_s``."""
+    producer, reader = kafka_io
+    train_id, eval_ids = f"{unique}-tr", [f"{unique}-e{i}" for i in range(5)]
+    requests = await reader(topics.ROLLOUT_REQUESTS)
+    mine = lambda r: r.task.task_id in (train_id, *eval_ids)  # noqa: E731
+    cfg = _cfg(make_config, kafka_cfg, unique, eval_timing="slack", eval_chunk_groups=2, eval_max_wait_s=3.0)
+    async with running(cfg) as (client, state):
+        body = {"tasks": [task(train_id)] + [task(e, split="eval") for e in eval_ids]}
+        assert (await client.post("/v1/tasks", json=body)).status_code == 202
+        assert await collect(requests, RolloutRequest, lambda r: mine(r) and r.purpose == "train", want=1)
+        t0 = time.monotonic()
+        assert (await client.post("/v1/evals", json={"min_policy_version": 0})).json() == {"eval_round": 0}
+        late = await collect(requests, RolloutRequest, lambda r: mine(r) and r.purpose == "eval", want=5)
+        waited = time.monotonic() - t0
+        assert len(late) == 5 and waited >= 2.5, (len(late), waited)
+        assert state.registry.train_group_counts()[1] == 1  # the training group is still in flight
 
 
 async def test_deadline_reissues_same_group_then_abandons(make_config, kafka_cfg, unique, running, task, kafka_io):
