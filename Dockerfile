@@ -1,9 +1,10 @@
 # One image for every Flywheel service; docker-compose.yml picks the service with `command`.
 FROM python:3.11-slim
 
-# util-linux (setpriv), libseccomp2 (the sandbox seccomp filter), gcc/g++ (C and C++ in the sandbox).
+# util-linux (setpriv), libseccomp2 (the sandbox seccomp filter), gcc/g++ (C and C++ in the sandbox),
+# libtcmalloc-minimal4 (the torch services' allocator: compose preloads it for rollout and trainer).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends util-linux libseccomp2 gcc g++ libc6-dev \
+    && apt-get install -y --no-install-recommends util-linux libseccomp2 gcc g++ libc6-dev libtcmalloc-minimal4 \
     && rm -rf /var/lib/apt/lists/*
 
 ENV PYTHONUNBUFFERED=1 \

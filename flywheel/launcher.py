@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes.util
 import logging
 import os
 import signal
@@ -39,7 +40,7 @@ import orjson
 
 from flywheel.broker import EmbeddedBroker, broker_env, free_port, open_private_log, stop_pid
 from shared.auth import auth_headers, ensure_token_file, write_private
-from shared.config import KafkaConfig, read_yaml
+from shared.config import KafkaConfig, RunConfig, read_yaml
 
 log = logging.getLogger("flywheel")
 
@@ -100,6 +101,30 @@ def _kafka_partitions(config_path: str | os.PathLike, env: Mapping[str, str]) ->
         return int(kafka.get("partitions") or KafkaConfig().partitions)
     except (OSError, ValueError, AttributeError, TypeError):
         return KafkaConfig().partitions
+
+
+#: The services that run torch (their allocator is ``run.allocator``).
+TORCH_SERVICES = ("rollout", "trainer")
+TCMALLOC = "tcmalloc_minimal"
+
+
+def allocator_env(config_path: str | os.PathLike, env: Mapping[str, str]) -> dict[str, str]:
+    """``{"LD_PRELOAD": <libtcmalloc_minimal>}`` for the torch services when ``run.allocator`` (environment over
+    YAML over the default) is ``tcmalloc`` and the library is installed; else ``{}`` (logged when it is missing)."""
+    choice = env.get("FLYWHEEL_RUN__ALLOCATOR")
+    if not choice:
+        try:
+            choice = (read_yaml(config_path).get("run") or {}).get("allocator")
+        except (OSError, ValueError, AttributeError):
+            choice = None
+    if (choice or RunConfig().allocator) != "tcmalloc":
+        return {}
+    lib = ctypes.util.find_library(TCMALLOC)
+    if lib is None:
+        log.warning("run.allocator is tcmalloc but lib%s is not installed (Debian: libtcmalloc-minimal4): the torch "
+                    "services use the system allocator", TCMALLOC)
+        return {}
+    return {"LD_PRELOAD": " ".join(x for x in (env.get("LD_PRELOAD"), lib) if x)}
 
 
 # ---------------------------------------------------------------------- supervision
@@ -207,6 +232,8 @@ class LocalSystem:
     """The variable the verifier (only) gets besides the allowlist: the judge's API key."""
     partitions: int = KafkaConfig().partitions
     """``kafka.partitions``: used to re-create the topics after a broker restart."""
+    torch_env: dict[str, str] = field(default_factory=dict)
+    """Added to the environment of the torch services (:data:`TORCH_SERVICES`): the allocator (:func:`allocator_env`)."""
     events: list[SupervisorEvent] = field(default_factory=list)
     """Every death seen, in order (:class:`SupervisorEvent`)."""
     broker_crashes: collections.deque = field(default_factory=collections.deque)
@@ -306,7 +333,7 @@ class LocalSystem:
         system = cls(run_dir, env, broker, f"http://127.0.0.1:{scheduler_port}", f"http://127.0.0.1:{sandbox_port}",
                      policy=policy or RestartPolicy(), metrics_ports={n: free_port() for n in METRICS_PORT_SERVICES},
                      token=token, judge_key_env=judge_key_env(config_path, env),
-                     partitions=_kafka_partitions(config_path, env))
+                     partitions=_kafka_partitions(config_path, env), torch_env=allocator_env(config_path, env))
         try:
             if broker is not None:  # every topic before any client can auto-create one with the broker's default
                 err = system._create_topics(strict=True)  # count (4 on Tansu: it capped verifier replicas at 4)
@@ -323,9 +350,12 @@ class LocalSystem:
 
     # ------------------------------------------------------------------ processes
     def service_env(self, name: str) -> dict[str, str]:
-        """The environment of service ``name``: the system's (already allowlisted) plus its metrics port and,
-        for the verifier, the judge's API key from the supervisor's own environment."""
+        """The environment of service ``name``: the system's (already allowlisted) plus its metrics port, the
+        allocator of a torch service and, for the verifier, the judge's API key from the supervisor's own
+        environment."""
         env = dict(self.env)
+        if name in TORCH_SERVICES:
+            env.update(self.torch_env)
         if name in self.metrics_ports:  # the same port on every restart: a scraper keeps its target
             env["FLYWHEEL_TELEMETRY__METRICS_PORT"] = str(self.metrics_ports[name])
         if name == "verifier" and self.judge_key_env in os.environ and self.judge_key_env not in env:

@@ -46,6 +46,10 @@ class RolloutConfig(BaseModel):
     the rest stay in Kafka for other replicas (backpressure). A single larger request still runs alone."""
     torch_threads: int = Field(1, ge=1, le=256)
     """``torch.set_num_threads`` for this process; two cores must not be oversubscribed."""
+    burst_threads: int = Field(0, ge=0, le=256)
+    """Torch engine: up to this many threads while the machine's other cores are idle (the trainer stepping
+    on its own core leaves none; the trainer waiting for data leaves one), re-decided before every decoder
+    layer (``shared/threads.py``). 0 (or ≤ ``torch_threads``): always ``torch_threads``."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Weights dtype of the torch engine."""
     sandbox_url: str = "http://127.0.0.1:8100"

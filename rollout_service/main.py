@@ -47,6 +47,8 @@ from shared.metrics import serve_metrics
 from shared.model import load_model, load_tokenizer, resolve_model_dir
 from shared.schemas import Metrics
 from shared.telemetry import flush_tracing
+from shared.threads import CoreBurst
+from shared.threads import attach as attach_burst
 
 log = logging.getLogger("rollout")
 
@@ -82,7 +84,9 @@ def build_engine(config: RolloutSettings):
     from rollout_service.torch_engine import TorchEngine
 
     torch.set_num_threads(cfg.torch_threads)
-    return TorchEngine(load_model(model_dir, cfg.dtype), tok, seed=cfg.seed), tok
+    engine = TorchEngine(load_model(model_dir, cfg.dtype), tok, seed=cfg.seed)
+    attach_burst(engine.model, CoreBurst(cfg.torch_threads, cfg.burst_threads))
+    return engine, tok
 
 
 def request_group(pool: str) -> str:

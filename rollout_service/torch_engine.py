@@ -13,7 +13,8 @@ Its own decode loop (not ``model.generate``), for three things ``generate`` cann
   early does not keep paying for them.
 
 Sampling: ``logits / T``, optional nucleus filtering (``top_p``: the log-probs stay those of the
-unfiltered tempered distribution), multinomial draw; greedy at T = 0 with the raw log-probs.
+unfiltered tempered distribution), one categorical draw per row by inverse CDF (:func:`sample_categorical`);
+greedy at T = 0 with the raw log-probs.
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ class TorchEngine(Engine):
                 probs = logp.exp()
                 if top_p < 1.0:
                     probs = _nucleus(probs, top_p)
-                tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
+                tok = sample_categorical(probs, gen)
             tok_lp = logp.gather(-1, tok[:, None])[:, 0]
             done = torch.isin(tok, eos) if eos is not None else torch.zeros_like(tok, dtype=torch.bool)
             for j, row in enumerate(active):
@@ -241,6 +242,22 @@ class TorchEngine(Engine):
             grouped.append(samples[k:k + r.n])
             k += r.n
         return grouped
+
+
+def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``probs`` (``[B, V]``, non-negative, each row with a positive sum; need not be
+    normalised), drawn with probability proportional to its entry: ``[B]`` long.
+
+    Inverse-CDF sampling: one uniform u per row scaled to the row's total, then the first token whose running
+    sum exceeds it (a token of probability 0 has an empty interval and is never drawn). It replaces
+    ``torch.multinomial(probs, 1)``, which draws V exponentials per row: 30 ms of a 140 ms SmolLM2 decode step
+    for 32 rows on one CPU thread (17 % of generation), against about 1 ms here.
+    """
+    cdf = probs.cumsum(-1)
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
+    tok = torch.searchsorted(cdf, u, right=True)[:, 0]
+    # u rounded up to the total (odds about 2⁻²⁴): the last token of positive probability, never past it
+    return torch.minimum(tok, (cdf < cdf[:, -1:]).sum(-1))
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:

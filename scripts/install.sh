@@ -6,13 +6,14 @@ cd "$(dirname "$0")/.."
 SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
 # docker-compose: the compose file's check; util-linux: setpriv/unshare; libseccomp2: the sandbox's
 # seccomp filter; gcc/g++: C and C++ in the sandbox; bubblewrap: the sandbox benchmark's baseline;
-# chromium and chromium-driver: the dashboard's headless browser test.
+# chromium and chromium-driver: the dashboard's headless browser test; libtcmalloc-minimal4: the torch services'
+# allocator (run.allocator).
 if ! command -v docker-compose >/dev/null || ! command -v unshare >/dev/null || ! command -v bwrap >/dev/null \
    || ! command -v g++ >/dev/null || ! ldconfig -p | grep -q libseccomp.so.2 || ! command -v chromedriver >/dev/null \
-   || ! command -v chromium >/dev/null; then
+   || ! command -v chromium >/dev/null || ! ldconfig -p | grep -q libtcmalloc_minimal.so.4; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq docker-compose util-linux libseccomp2 gcc g++ \
-    bubblewrap chromium chromium-driver >/dev/null
+    bubblewrap chromium chromium-driver libtcmalloc-minimal4 >/dev/null
 fi
 PY=${PYTHON:-python3}
 # torch==2.13.0 is pinned in pyproject.toml (a CPU build; an unpinned torch pulls a multi-GB CUDA build).

@@ -130,6 +130,12 @@ class RunConfig(BaseModel):
     """Checkpoint store (weights per version and trainer state); relative to ``dir`` unless absolute."""
     log_level: str = "INFO"
     """Python logging level of every service."""
+    allocator: Literal["tcmalloc", "system"] = "tcmalloc"
+    """Memory allocator of the torch services (rollout, trainer) that ``flywheel`` starts: ``tcmalloc`` preloads
+    gperftools' ``libtcmalloc_minimal.so.4`` (Debian ``libtcmalloc-minimal4``, installed by
+    ``scripts/install.sh``; the system allocator when it is missing, with a warning), which keeps freed pages
+    for reuse where glibc's allocator returns and re-faults them: a SmolLM2 trainer step 6.1 s against 7.6 s
+    (``benchmarks/trainer_step.py``). ``system``: glibc's. Compose images set ``LD_PRELOAD`` themselves."""
 
     def path(self, sub: str) -> Path:
         """Resolve ``sub`` against the run directory (absolute paths are kept)."""

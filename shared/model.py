@@ -93,12 +93,13 @@ def load_tokenizer(model_dir: Path):
     return tok
 
 
-def load_model(model_dir: Path, dtype: str = "float32"):
-    """The causal LM in ``dtype`` (``float32`` or ``bfloat16``), in eval mode, on the CPU."""
+def load_model(model_dir: Path, dtype: str = "float32", attention: str = "sdpa"):
+    """The causal LM in ``dtype`` (``float32`` or ``bfloat16``), in eval mode, on the CPU, with the attention
+    kernel ``attention`` (transformers' ``attn_implementation``: ``sdpa`` or ``eager``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation=attention)
     model.eval()
     return model
 

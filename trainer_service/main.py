@@ -37,6 +37,8 @@ from shared.metrics import serve_metrics
 from shared.model import load_model, load_tokenizer, resolve_model_dir
 from shared.schemas import Alert, GroupDropped, Metrics, ScoredTrajectory, WeightUpdate
 from shared.telemetry import flush_tracing
+from shared.threads import CoreBurst
+from shared.threads import attach as attach_burst
 from trainer_service.config import TrainerSettings
 from trainer_service.control import ControlState, poll_control, read_control_to_end
 from trainer_service.domain_metrics import domain_metrics
@@ -65,7 +67,11 @@ def build_trainer(config: TrainerSettings) -> tuple[PolicyTrainer, CheckpointSto
     torch.manual_seed(cfg.seed)
     model_dir = resolve_model_dir(config.model.name, config.model.cache_dir)
     tok = load_tokenizer(model_dir)
-    trainer = PolicyTrainer(load_model(model_dir, cfg.dtype), cfg, tok.pad_token_id, config.budget.max_steps)
+    trainer = PolicyTrainer(load_model(model_dir, cfg.dtype, cfg.attention), cfg, tok.pad_token_id, config.budget.max_steps)
+    burst = CoreBurst(cfg.torch_threads, cfg.burst_threads)
+    for model in (trainer.model, trainer.ref_model):
+        if model is not None:
+            attach_burst(model, burst)
     store = CheckpointStore(config.run.path(config.run.checkpoint_dir), cfg.keep_checkpoints)
     for p in store.remove_partial():  # a write interrupted by a crash or a full disk
         log.warning("removed the partial checkpoint file %s", p)

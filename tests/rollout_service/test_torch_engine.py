@@ -138,3 +138,19 @@ def test_an_in_place_interrupt_keeps_the_stale_cache_and_an_abort_returns_partia
     assert all(s.finish_reason == "abort" and s.completion_ids == [] for s in aborted)
     (normal,) = eng.generate([GenerationRequest(p, 2, SamplingParams(max_new_tokens=12, temperature=1.0, seed=5))])
     assert all(s.finish_reason == "length" and len(s.completion_ids) == 12 for s in normal)
+
+
+def test_sample_categorical_draws_in_proportion_and_never_a_zero_probability_token():
+    from rollout_service.torch_engine import sample_categorical
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0]] * 20_000)  # rows need not be normalised:
+    probs[10_000:] *= 7.0  # half of them sum to 7
+    gen = torch.Generator().manual_seed(0)
+    tok = sample_categorical(probs, gen)
+    assert tok.shape == (20_000,) and tok.dtype == torch.long
+    counts = torch.bincount(tok, minlength=6).double() / 20_000
+    assert counts[[0, 2, 5]].sum() == 0  # zero-probability tokens never drawn
+    # 4 standard errors of a proportion at n = 20,000 is under 0.015
+    torch.testing.assert_close(counts[[1, 3, 4]], torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), atol=0.015, rtol=0)
+    edge = torch.tensor([[0.25, 0.75, 0.0, 0.0]])  # whatever u is, never past the last positive token
+    assert all(int(sample_categorical(edge, gen)) in (0, 1) for _ in range(200))

@@ -1,3 +1,6 @@
+import itertools
+import math
+
 import pytest
 import torch
 
@@ -5,7 +8,7 @@ from shared.model import build_tiny_model, load_model
 from shared.schemas import Reward, ScoredTrajectory, Task, Trajectory
 from trainer_service.config import TrainerConfig
 from trainer_service.groups import GroupBuffer
-from trainer_service.trainer import PolicyTrainer, collate, completion_logprobs
+from trainer_service.trainer import PASS_COST_TOKENS, PolicyTrainer, collate, completion_logprobs, length_buckets
 
 TASK = Task(task_id="t", domain="toy", prompt=[{"role": "user", "content": "q"}],
             verifier={"kind": "regex", "pattern": "^a"})
@@ -125,15 +128,17 @@ def test_trainer_logprobs_equal_a_plain_forward(tiny):
             torch.testing.assert_close(lp[i, :len(ref)], ref, atol=1e-5, rtol=1e-5)
 
 
-def test_shared_prompt_logprobs_and_gradients_equal_separate_forwards(tiny):
-    """Prefix sharing (one prompt pass per group) matches a plain full-sequence forward per row."""
+@pytest.mark.parametrize("pass_cost", [PASS_COST_TOKENS, 0.0, math.inf])
+def test_shared_prompt_logprobs_and_gradients_equal_separate_forwards(tiny, pass_cost):
+    """Prefix sharing (one prompt pass per group) matches a plain full-sequence forward per row, whether the
+    completions go in one padded pass (``inf``), one pass per distinct length (0) or the default split."""
     torch.manual_seed(0)
     model = load_model(tiny).double()
     rows = [scored("g", 0, comp=(5, 6, 7, 8)), scored("g", 2, comp=(9,)), scored("h", 1, comp=(11, 12)),
             scored("g", 4, comp=(13, 14, 15)), scored("k", 0, comp=(16, 17), prompt=(30, 31, 32, 33, 34))]
     b = collate(rows, pad_id=0)  # prompts: [1,2,3] x3 (indices 0,2,4), [1,2,4] x1 and one of length 5
     assert b.prompt_ids.shape[0] == 3
-    lp = completion_logprobs(model, b)
+    lp = completion_logprobs(model, b, pass_cost=pass_cost)
     (lp * b.loss_mask).sum().backward()
     shared = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -290,3 +295,39 @@ def test_a_state_saved_with_the_unfused_adamw_resumes_on_the_fused_kernel(tiny):
     again = PolicyTrainer(load_model(tiny), TrainerConfig(), pad_id=0)
     again.load_state_dict(state)
     assert all(g["fused"] is True for g in again.optimizer.param_groups)
+
+
+def _bucket_cost(lengths, buckets, pass_cost):
+    fed = [max(max(lengths[i] for i in b) - 1, 0) for b in buckets]
+    return sum(len(b) * f + (pass_cost if f else 0) for b, f in zip(buckets, fed))
+
+
+@pytest.mark.parametrize("pass_cost", [0.0, 3.0, 12.0, math.inf])
+def test_length_buckets_cover_every_row_once_at_the_least_cost(pass_cost):
+    lengths = [24, 3, 2, 24, 9, 1, 0, 17, 3, 24]
+    buckets = length_buckets(lengths, pass_cost)
+    assert sorted(i for b in buckets for i in b) == list(range(len(lengths)))
+    best = math.inf  # brute force over every split of the sorted rows into contiguous runs
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    for cuts in itertools.product([0, 1], repeat=len(order) - 1):
+        runs, cur = [], [order[0]]
+        for c, i in zip(cuts, order[1:]):
+            if c:
+                runs.append(cur)
+                cur = []
+            cur.append(i)
+        best = min(best, _bucket_cost(lengths, runs + [cur], pass_cost))
+    assert _bucket_cost(lengths, buckets, pass_cost) == best
+    if pass_cost == math.inf:
+        assert len(buckets) == 1
+    if pass_cost == 0.0:  # no padding at all: one pass per length that feeds tokens
+        assert all(len({max(lengths[i] - 1, 0) for i in b}) == 1 for b in buckets if max(lengths[i] for i in b) > 1)
+    assert length_buckets([], pass_cost) == []
+
+
+def test_a_micro_batch_without_completion_tokens_gives_empty_logprobs(tiny):
+    model = load_model(tiny)
+    b = collate([scored("g", 0, comp=()), scored("g", 1, comp=())], pad_id=0)
+    with torch.no_grad():
+        lp = completion_logprobs(model, b)
+    assert lp.shape == (2, 1) and not lp.any()
