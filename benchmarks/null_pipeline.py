@@ -131,9 +131,11 @@ def _tasks(n: int, k: int, kind: str) -> list[dict]:
 
 
 def _ledger(path: Path) -> list[dict]:
+    """The complete lines of the null trainer's ledger (a line it is still writing is left for the next read)."""
     if not path.exists():
         return []
-    lines = path.read_bytes().splitlines()
+    data = path.read_bytes()
+    lines = data[:data.rfind(b"\n") + 1].splitlines()
     return [json.loads(x) for x in lines if x.strip()]
 
 

@@ -383,7 +383,9 @@ def _report(system: LocalSystem, api: SchedulerApi, cfg, t0: float, before: dict
                      "mean_reward": h["values"].get("train/reward_mean"), "time": h["time"], **h["values"]}
                     for h in history],
         "evals": [{"eval_round": e["eval_round"], "accuracy": e["accuracy"], "n": e["n"],
-                   "policy_version": max(e.get("policy_versions") or [0])} for e in evals if e.get("done")],
+                   "policy_version": max(e.get("policy_versions") or [0]),
+                   "min_policy_version": e.get("min_policy_version"), "policy_versions": e.get("policy_versions")}
+                  for e in evals if e.get("done")],
         "config": cfg.model_dump(mode="json"),
         "run_dir": str(system.run_dir),
     }

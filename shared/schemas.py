@@ -516,7 +516,8 @@ class WeightUpdate(Record):
     """Safetensors file of this version in the checkpoint store (transport ``checkpoint``)."""
     manifest: list[TensorInfo]
     checksum: str
-    """``sha256:<hex>`` of the safetensors file."""
+    """``<algorithm>:<hex>`` of the safetensors file: ``xxh3_128`` (written since issue 20) or ``sha256``
+    (``shared.checkpoint.CHECKSUMS``)."""
     receivers: list[str] = Field(default_factory=list, max_length=4096)
     """Transport ``distributed``: the rollout engines in this version's broadcast session (the others,
     and any whose session fails, load the safetensors file)."""
