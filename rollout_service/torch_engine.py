@@ -251,7 +251,8 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = 
     Inverse-CDF sampling: one uniform u per row scaled to the row's total, then the first token whose running
     sum exceeds it (a token of probability 0 has an empty interval and is never drawn). It replaces
     ``torch.multinomial(probs, 1)``, which draws V exponentials per row: 30 ms of a 140 ms SmolLM2 decode step
-    for 32 rows on one CPU thread (17 % of generation), against about 1 ms here.
+    for 32 rows on one CPU thread (17 % of generation); with a cumsum and a binary search per row instead, 32
+    samples of 24 tokens took 2.5-3.4 s against 3.4-4.0 s.
     """
     cdf = probs.cumsum(-1)
     u = torch.rand(probs.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]

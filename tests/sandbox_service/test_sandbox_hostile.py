@@ -37,30 +37,49 @@ def client():
 
 def sandbox_uid_processes() -> dict[int, str]:
     """Host processes whose real uid is one of the sandbox slots' uids and that are not another sandbox
-    service's: ``{pid: "starttime cmdline"}``.
+    service's: ``{pid: "starttime state cmdline"}``.
 
     The start time (clock ticks since boot, field 22 of /proc/PID/stat) tells a process apart from a later
     one that reuses its pid (pid_max is 32768 here, so pids wrap during the suite). Another service's slots
     use the same uids: the suite's session sandbox (``sandbox_url``) keeps running beside this module, and its
     workers fork their next run's processes whenever they like. Those carry their worker's command line,
     whose ``--slot`` names the service's pid (``<pid>-slot<i>-<hex>``, :class:`sandbox_service.pool.WorkerHandle`),
-    and are left out; a process that escaped this module's sandbox never carries another service's slot."""
+    and are left out; a process that escaped this module's sandbox never carries another service's slot.
+    Zombies (state Z or X) are left out too: they run nothing, and one that has exited but waits for its
+    parent to reap it has an empty command line, so it could not be told apart by its slot."""
     lo, hi = CFG.uid_base, CFG.uid_base + CFG.max_concurrency
     found = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                uid = int(next(l for l in (d / "status").read_text().splitlines() if l.startswith("Uid:")).split()[1])
-                if lo <= uid < hi:
+                status = (d / "status").read_text().splitlines()
+                uid = int(next(l for l in status if l.startswith("Uid:")).split()[1])
+                state = next(l for l in status if l.startswith("State:")).split()[1]
+                if lo <= uid < hi and state not in ("Z", "X"):  # a zombie runs nothing: it waits to be reaped
                     start = (d / "stat").read_text().rsplit(")", 1)[1].split()[19]
                     argv = (d / "cmdline").read_bytes().decode(errors="replace").split("\0")
-                    slot = argv[argv.index("--slot") + 1] if "--slot" in argv[:-1] else None
+                    slot = _slot_of(int(d.name))
                     if slot is not None and not slot.startswith(f"{os.getpid()}-slot"):
                         continue  # another sandbox service's slot
-                    found[int(d.name)] = f"{start} {' '.join(argv)[:160]}"
+                    found[int(d.name)] = f"{start} {state} {' '.join(argv)[:160]}"
             except (OSError, StopIteration, ValueError, IndexError):
                 continue
     return found
+
+
+def _slot_of(pid: int, depth: int = 16) -> str | None:
+    """The ``--slot`` of ``pid``'s command line, else of its nearest ancestor's (a run's child that has exited and
+    waits to be reaped, a zombie, has an empty command line: its parent still names the slot); ``None`` if none
+    of ``depth`` generations has one."""
+    for _ in range(depth):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        if "--slot" in argv[:-1]:
+            return argv[argv.index("--slot") + 1]
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        pid = int(next(l for l in status if l.startswith("PPid:")).split()[1])
+        if pid <= 1:
+            return None
+    return None
 
 
 @pytest.fixture
