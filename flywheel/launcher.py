@@ -85,11 +85,21 @@ def judge_key_env(config_path: str | os.PathLike, env: Mapping[str, str]) -> str
     ``verifier.judge.api_key_env``, else :data:`DEFAULT_JUDGE_KEY_ENV`."""
     if env.get("FLYWHEEL_VERIFIER__JUDGE__API_KEY_ENV"):
         return env["FLYWHEEL_VERIFIER__JUDGE__API_KEY_ENV"]
+    return str(_yaml_value(config_path, "verifier", "judge", "api_key_env") or DEFAULT_JUDGE_KEY_ENV)
+
+
+def _yaml_value(config_path: str | os.PathLike, *keys: str):
+    """The value at ``keys`` (``"kafka", "partitions"``) of the YAML config, or None where the file is missing or
+    unreadable or a level is absent or not a mapping (the services' own settings report a bad config)."""
     try:
-        judge = (read_yaml(config_path).get("verifier") or {}).get("judge") or {}
-    except (OSError, ValueError, AttributeError):
-        judge = {}
-    return str(judge.get("api_key_env") or DEFAULT_JUDGE_KEY_ENV) if isinstance(judge, dict) else DEFAULT_JUDGE_KEY_ENV
+        value = read_yaml(config_path)
+    except (OSError, ValueError):
+        return None
+    for key in keys:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return value
 
 
 def _kafka_partitions(config_path: str | os.PathLike, env: Mapping[str, str]) -> int:
@@ -97,9 +107,8 @@ def _kafka_partitions(config_path: str | os.PathLike, env: Mapping[str, str]) ->
     if env.get("FLYWHEEL_KAFKA__PARTITIONS"):
         return int(env["FLYWHEEL_KAFKA__PARTITIONS"])
     try:
-        kafka = read_yaml(config_path).get("kafka") or {}
-        return int(kafka.get("partitions") or KafkaConfig().partitions)
-    except (OSError, ValueError, AttributeError, TypeError):
+        return int(_yaml_value(config_path, "kafka", "partitions") or KafkaConfig().partitions)
+    except (ValueError, TypeError):
         return KafkaConfig().partitions
 
 
@@ -111,12 +120,7 @@ TCMALLOC = "tcmalloc_minimal"
 def allocator_env(config_path: str | os.PathLike, env: Mapping[str, str]) -> dict[str, str]:
     """``{"LD_PRELOAD": <libtcmalloc_minimal>}`` for the torch services when ``run.allocator`` (environment over
     YAML over the default) is ``tcmalloc`` and the library is installed; else ``{}`` (logged when it is missing)."""
-    choice = env.get("FLYWHEEL_RUN__ALLOCATOR")
-    if not choice:
-        try:
-            choice = (read_yaml(config_path).get("run") or {}).get("allocator")
-        except (OSError, ValueError, AttributeError):
-            choice = None
+    choice = env.get("FLYWHEEL_RUN__ALLOCATOR") or _yaml_value(config_path, "run", "allocator")
     if (choice or RunConfig().allocator) != "tcmalloc":
         return {}
     lib = ctypes.util.find_library(TCMALLOC)

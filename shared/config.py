@@ -135,7 +135,8 @@ class RunConfig(BaseModel):
     gperftools' ``libtcmalloc_minimal.so.4`` (Debian ``libtcmalloc-minimal4``, installed by
     ``scripts/install.sh``; the system allocator when it is missing, with a warning), which keeps freed pages
     for reuse where glibc's allocator returns and re-faults them: a main-job SmolLM2 trainer step (bf16, KL, one
-    thread) 6.1 s against 7.6 s, with 0.64 M minor page faults against 2.4 M over 5 steps. ``system``: glibc's. Compose images set ``LD_PRELOAD`` themselves."""
+    thread) 6.1 s against 7.6 s, with 0.64 M minor page faults against 2.4 M over 5 steps. ``system``: glibc's.
+    Compose images set ``LD_PRELOAD`` themselves."""
 
     def path(self, sub: str) -> Path:
         """Resolve ``sub`` against the run directory (absolute paths are kept)."""

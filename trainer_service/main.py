@@ -67,7 +67,8 @@ def build_trainer(config: TrainerSettings) -> tuple[PolicyTrainer, CheckpointSto
     torch.manual_seed(cfg.seed)
     model_dir = resolve_model_dir(config.model.name, config.model.cache_dir)
     tok = load_tokenizer(model_dir)
-    trainer = PolicyTrainer(load_model(model_dir, cfg.dtype, cfg.attention), cfg, tok.pad_token_id, config.budget.max_steps)
+    trainer = PolicyTrainer(load_model(model_dir, cfg.dtype, cfg.attention), cfg, tok.pad_token_id,
+                            config.budget.max_steps)
     burst = CoreBurst(cfg.torch_threads, cfg.burst_threads)
     for model in (trainer.model, trainer.ref_model):
         if model is not None:
