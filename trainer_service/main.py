@@ -22,7 +22,9 @@ at the newest published version (:func:`build_trainer`).
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -32,7 +34,7 @@ from aiokafka import TopicPartition
 
 from shared import kafka, topics
 from shared.checkpoint import (CheckpointStore, DiskFullError, DiskLevel, DiskPolicy, checkpoint_bytes, load_weights,
-                               snapshot_weights)
+                               live_weights, snapshot_weights)
 from shared.metrics import serve_metrics
 from shared.model import load_model, load_tokenizer, resolve_model_dir
 from shared.schemas import Alert, GroupDropped, Metrics, ScoredTrajectory, WeightUpdate
@@ -361,18 +363,27 @@ class TrainLoop:
         self.traces.trained(groups, trainer.step, trainer.version, start_ns, time.time_ns())
         t0 = time.perf_counter()
         done = buffer.done_groups | buffer.in_flight  # includes earlier steps still being saved
+        gate = None
         if self.config.trainer.null_step:
             weights, state = {}, {}
         else:
-            weights, state = await asyncio.to_thread(lambda: (snapshot_weights(trainer.model),
-                                                              trainer.state_dict(done)))
+            try:
+                # the live tensors, no copy (1.6 GB for SmolLM2: 0.2 s of the step): the next optimizer step waits
+                # for the publisher to have written them (PolicyTrainer.update_gate, set by StepSnapshot.release)
+                weights, state = live_weights(trainer.model), trainer.state_dict(done, copy_optimizer=False)
+                gate = trainer.update_gate
+                gate.clear()
+            except ValueError:  # a CUDA or non-contiguous model: CPU copies, and nothing to wait for
+                weights, state = await asyncio.to_thread(lambda: (snapshot_weights(trainer.model),
+                                                                  trainer.state_dict(done)))
         metrics["time/snapshot_s"] = time.perf_counter() - t0
+        metrics["time/update_gate_s"] = trainer.gate_wait_s
         metrics["time/wait_for_data_s"] = wait_s
         for k in ("dropped_stale", "dropped_failed", "dropped_circuit_open", "dropped_domain_paused",
                   "duplicates_skipped", "superseded_unsolved"):
             metrics[f"train/{k}_total"] = float(buffer.counters[k])
         metrics["train/trained_groups_total"] = float(buffer.counters["trained_groups"] + len(groups))
-        snap = StepSnapshot(groups, weights, state, metrics, trainer.version, trainer.step)
+        snap = StepSnapshot(groups, weights, state, metrics, trainer.version, trainer.step, gate)
         self.traces.step(groups, trainer.step, trainer.version, start_ns, time.time_ns(),
                          {k: v for k, v in metrics.items() if k.startswith("time/")})
         self.publishing = asyncio.create_task(self.publisher.publish(snap, self.publishing))
@@ -429,6 +440,27 @@ class StepSnapshot:
     """The policy version the step produced."""
     step: int
     """Optimizer steps taken so far."""
+    gate: threading.Event | None = None
+    """Set once ``weights`` and ``state`` are written (``weights`` and ``state`` are then the live tensors, the
+    trainer's :attr:`~trainer_service.trainer.PolicyTrainer.update_gate`); None: they are copies."""
+
+    def release(self) -> None:
+        """Let the trainer change the tensors again. Once only: the gate is the trainer's one event, which the
+        next step clears again for its own version, so a second release would open it under that version."""
+        gate, self.gate = self.gate, None
+        if gate is not None:
+            gate.set()
+
+    def detach(self) -> None:
+        """Before the publisher waits on something outside the process (a broker outage, a full disk): copy the
+        live tensors and :meth:`release` the trainer, so that its loop keeps turning (intake, control, stop,
+        rebuilding its clients) instead of blocking in the next optimizer step. No-op for copies. Call it only
+        while no write is reading the tensors (between attempts)."""
+        if self.gate is None:
+            return
+        self.weights = {k: v.detach().clone() for k, v in self.weights.items()}
+        self.state = {**self.state, "optimizer": copy.deepcopy(self.state.get("optimizer"))}
+        self.release()
 
 
 class Publisher:
@@ -455,11 +487,12 @@ class Publisher:
         self.disk_steady: DiskLevel = "ok"
         """The last non-critical level of a whole version's check (``ok`` or ``warning``)."""
 
-    async def _announce(self, topic: str, record, key: str) -> None:
+    async def _announce(self, topic: str, record, key: str, on_wait: Callable[[], None] | None = None) -> None:
         """Send ``record`` and wait for its ack, retrying a broker error (:data:`shared.kafka.BROKER_ERRORS`)
         with the ``kafka.reconnect_backoff_ms`` back-off until it is acknowledged. :attr:`producer` is read
         again on every attempt: the service replaces it after a broker outage (``None`` meanwhile), so a
-        version trained while the broker was away is announced on the broker that comes back."""
+        version trained while the broker was away is announced on the broker that comes back. ``on_wait`` is
+        called before the first back-off (:meth:`StepSnapshot.detach`)."""
         attempt = 0
         while True:
             producer = self.producer
@@ -472,6 +505,8 @@ class Publisher:
                 if attempt == 0:
                     log.warning("sending %s to %s failed (%r); retrying until the broker is back",
                                 type(record).__name__, topic, e)
+                    if on_wait is not None:
+                        on_wait()
                 await kafka.reconnect_pause(self.config.kafka, attempt)
                 attempt += 1
 
@@ -483,32 +518,41 @@ class Publisher:
         Raises:
             OSError: the checkpoint could not be written.
         """
-        if previous is not None:
-            await previous  # versions become durable and are announced in order
-        if self.config.trainer.null_step:
-            await self._publish_null(snap)
-            return
+        try:
+            if previous is not None:
+                await previous  # versions become durable and are announced in order
+            if self.config.trainer.null_step:
+                await self._publish_null(snap)
+                return
+            await self._publish(snap)
+        finally:
+            snap.release()  # after a failure too: a trainer blocked at its next step must not hang
+
+    async def _publish(self, snap: StepSnapshot) -> None:
+        """:meth:`publish` of a real step: weights, announcement, broadcast, trainer state, metrics."""
         store, metrics, broadcaster = self.store, snap.metrics, self.broadcaster
         t0 = time.perf_counter()
         ids = [g.group_id for g in snap.groups]
         if snap.version >= self.config.budget.max_steps and self.config.trainer.drop_optimizer_on_finish:
             snap.state = {**snap.state, "optimizer": None}  # the run is finished: keep weights and counters only
         need = max(checkpoint_bytes(snap.weights, snap.state), store.version_bytes(snap.version - 1))
-        update = await self._durable(lambda: store.save_weights(snap.weights, self.config.model.name, snap.version,
-                                                                snap.step, ids), need, snap.version)
+        update = await self._durable(snap, lambda: store.save_weights(snap.weights, self.config.model.name,
+                                                                      snap.version, snap.step, ids),
+                                     need, snap.version)
         receivers = await asyncio.to_thread(broadcaster.live_receivers) if broadcaster else []
         if receivers:  # the file stays the fallback for anyone outside the session or whose session fails
             await asyncio.to_thread(broadcaster.prepare, snap.version, receivers, snap.weights)
             update = update.model_copy(update={"transport": "distributed", "receivers": receivers})
-        await self._announce(topics.WEIGHTS, update, update.model)
+        await self._announce(topics.WEIGHTS, update, update.model, on_wait=snap.detach)
         metrics["time/publish_s"] = time.perf_counter() - t0  # step end → version announced, less the snapshot
         if receivers:
             res = await asyncio.to_thread(broadcaster.broadcast, snap.version, snap.weights, receivers)
             metrics["weights/broadcast_ok"] = float(res["ok"])
             metrics["weights/broadcast_receivers"] = float(len(receivers))
             metrics["time/broadcast_s"] = res["seconds"]
-        await self._durable(lambda: store.save_trainer_state(update, snap.state),
+        await self._durable(snap, lambda: store.save_trainer_state(update, snap.state),
                             checkpoint_bytes({}, snap.state), snap.version, whole=False)
+        snap.release()  # written: the next optimizer step may change the tensors
         metrics["time/checkpoint_s"] = time.perf_counter() - t0
         self.buffer.mark_trained(snap.groups)  # their offsets may be committed only now
         self.metrics.published(snap.groups, snap.version, metrics)
@@ -544,11 +588,12 @@ class Publisher:
                                                          policy_version=snap.version, domain=d, values=v), "trainer")
         log.info("null step %d -> policy version %d: %d groups", snap.step, snap.version, len(snap.groups))
 
-    async def _durable(self, write, need: int, version: int, whole: bool = True):
-        """``write()`` (a checkpoint phase) in a thread once the store's file system has ``need`` bytes free above
-        ``trainer.disk_reserve_bytes``; returns its result. ``whole``: ``need`` is the whole version (phase 1),
-        whose check also decides the ``warning`` level; phase 2 (its trainer state, ``whole=False``) can only
-        turn it critical, so the level does not flip between the phases of one version.
+    async def _durable(self, snap: StepSnapshot, write, need: int, version: int, whole: bool = True):
+        """``write()`` (a checkpoint phase of ``snap``) in a thread once the store's file system has ``need`` bytes
+        free above ``trainer.disk_reserve_bytes``; returns its result. ``whole``: ``need`` is the whole version
+        (phase 1), whose check also decides the ``warning`` level; phase 2 (its trainer state, ``whole=False``)
+        can only turn it critical, so the level does not flip between the phases of one version. Before its
+        first wait it detaches ``snap`` (:meth:`StepSnapshot.detach`): the trainer goes on turning meanwhile.
 
         While it has not (or the write itself hits a full disk: :class:`shared.checkpoint.DiskFullError`, its
         partial files already removed), :attr:`disk_blocked` holds (no new step), a critical alert is raised
@@ -577,6 +622,7 @@ class Publisher:
                     await self._disk_alert(level, free, need, version)
                     return result
             self.disk_blocked = True
+            snap.detach()  # the trainer's loop must keep turning while this waits for space
             self.metrics.checkpoint_waits.inc()
             await self._disk_alert(level, free, need, version, error)
             await asyncio.sleep(self.config.trainer.disk_retry_s)

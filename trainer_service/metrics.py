@@ -17,11 +17,14 @@ if TYPE_CHECKING:
     from trainer_service.groups import Drop, Group
 
 PHASES = {"time/wait_for_data_s": "wait_for_data", "time/train_step_s": "train_step", "time/snapshot_s": "snapshot",
-          "time/publish_s": "publish", "time/broadcast_s": "broadcast", "time/checkpoint_s": "checkpoint"}
+          "time/update_gate_s": "update_gate", "time/publish_s": "publish", "time/broadcast_s": "broadcast",
+          "time/checkpoint_s": "checkpoint"}
 """The step's timings (``trainer_service.main``) → the ``phase`` label of ``flywheel_trainer_phase_seconds``:
 waiting for ``batch_groups`` ready groups since the previous step, the optimizer step (plan, forward and
-backward, AdamW), the CPU copy of the weights, step end → version announced (weights written), the
-torch.distributed broadcast (``weights.transport: distributed``), step end → trainer state written."""
+backward, AdamW), handing the weights and optimizer state to the publisher (a CPU copy only for a CUDA model;
+~0 s otherwise), the part of the optimizer step spent waiting for the previous version's files
+(``PolicyTrainer.update_gate``), step end → version announced (weights written), the torch.distributed
+broadcast (``weights.transport: distributed``), step end → trainer state written."""
 
 
 class TrainerMetrics(ServiceMetrics):

@@ -41,6 +41,8 @@ class NullTrainer:
 
     model = None
     optimizer_restored = False
+    gate_wait_s = 0.0
+    """:attr:`trainer_service.trainer.PolicyTrainer.gate_wait_s`: a null step writes nothing, so never waits."""
 
     def __init__(self, ledger: Path | None = None) -> None:
         self.ledger = ledger

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -328,6 +329,14 @@ class PolicyTrainer:
         self.version = 0
         self.optimizer_restored = True
         """False after :meth:`load_state_dict` of a state whose optimizer moments were dropped."""
+        self.update_gate = threading.Event()
+        """Set while the weights and optimizer state may change. The service clears it when it hands the live
+        tensors of a version to its writer (:meth:`state_dict` with ``copy=False``,
+        :func:`shared.checkpoint.live_weights`) and sets it once they are on disk; the next
+        :meth:`_optimizer_step` waits for it, so a checkpoint never mixes two versions and nothing is copied."""
+        self.update_gate.set()
+        self.gate_wait_s = 0.0
+        """Seconds the last :meth:`_optimizer_step` waited for :attr:`update_gate` (the previous version's files)."""
 
     # ------------------------------------------------------------------ one step
     def train_step(self, groups: list[Group]) -> dict[str, float]:
@@ -413,6 +422,7 @@ class PolicyTrainer:
 
     def _optimizer_step(self) -> tuple[float, float]:
         """Phase 4: clip the global gradient norm, step AdamW and the LR schedule, count the new version.
+        AdamW waits for :attr:`update_gate` first (open unless the previous version is still being written).
 
         Returns:
             ``(grad_norm, lr)``: the L2 norm of the gradient before clipping and the learning rate of this step.
@@ -422,6 +432,9 @@ class PolicyTrainer:
                 p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
+        t0 = time.perf_counter()
+        self.update_gate.wait()  # the previous version's weights and moments are being written from these tensors
+        self.gate_wait_s = time.perf_counter() - t0
         self.optimizer.step()
         self.lr_scheduler.step()
         self.model.eval()
@@ -508,13 +521,16 @@ class PolicyTrainer:
         return rows, torch.cat(advs).float(), zero_var, trains
 
     # ------------------------------------------------------------------ state
-    def state_dict(self, done_groups: set[str]) -> dict:
+    def state_dict(self, done_groups: set[str], copy_optimizer: bool = True) -> dict:
         """Everything except the weights needed to resume exactly (optimizer, RNG, counters, ids).
 
-        A deep copy: later optimizer steps do not change it, so it can be written in the background.
+        ``copy_optimizer``: a deep copy of the optimizer state (later optimizer steps do not change it, so it
+        can be written in the background; ~1.1 GB for SmolLM2). ``False``: the live moment tensors, for a
+        writer that holds :attr:`update_gate` clear until it is done (what the service does).
         """
+        optimizer = self.optimizer.state_dict()
         return {
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "optimizer": copy.deepcopy(optimizer) if copy_optimizer else optimizer,
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "step": self.step,
             "version": self.version,

@@ -1,0 +1,85 @@
+"""The trainer writes a version's checkpoint from the live tensors (no copy): its next optimizer step must wait
+until they are on disk, so every checkpoint holds exactly its own version (real service, broker and files)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from shared import topics
+from shared.checkpoint import CheckpointStore
+from shared.schemas import Metrics, WeightUpdate
+from trainer_service.trainer import PolicyTrainer
+
+from .test_trainer_service import _produce, _scored, _with_trainer, setup  # noqa: F401 - the fixture
+
+
+@pytest.mark.kafka
+async def test_the_next_step_waits_for_the_previous_versions_files(setup, read_topic, monkeypatch):  # noqa: F811
+    cfg = setup.model_copy(update={"budget": setup.budget.model_copy(update={"max_staleness": 4})})  # none stale
+    written: dict[int, tuple[float, dict[str, torch.Tensor]]] = {}
+    real_weights, real_state = CheckpointStore.save_weights, CheckpointStore.save_trainer_state
+
+    def slow_weights(self, weights, model_name, version, step, trained_groups=None):
+        before = {k: v.clone() for k, v in weights.items()}
+        time.sleep(0.5)  # the next step has its data and trains meanwhile
+        update = real_weights(self, weights, model_name, version, step, trained_groups)
+        assert all(torch.equal(before[k], v) for k, v in weights.items()), f"v{version}'s weights changed mid-write"
+        return update
+
+    def slow_state(self, update, trainer_state):
+        time.sleep(1.0)
+        real_state(self, update, trainer_state)
+        moments = torch.load(self.version_dir(update.version) / "optimizer.pt", weights_only=False)
+        written[update.version] = (float(moments["state"][0]["step"]), trainer_state["step"])
+
+    monkeypatch.setattr(CheckpointStore, "save_weights", slow_weights)
+    monkeypatch.setattr(CheckpointStore, "save_trainer_state", slow_state)
+
+    async def body():
+        await _produce(cfg.kafka, [_scored(g, i, float(i)) for g in ("g1", "g2", "g3") for i in (0, 1)])
+        ws = await read_topic(cfg.kafka, topics.WEIGHTS, WeightUpdate, 3)
+        assert [w.version for w in ws] == [1, 2, 3]
+
+    await _with_trainer(cfg, body)
+    metrics = await read_topic(cfg.kafka, topics.METRICS, Metrics, 3, keep=lambda r: r.domain is None)
+    # each version's optimizer.pt has that many AdamW steps in it, not one more (the step counter is a tensor
+    # that the next optimizer step increments in place)
+    assert {v: s for v, (s, _) in written.items()} == {1: 1.0, 2: 2.0, 3: 3.0}
+    assert all(step == v for v, (_, step) in written.items())
+    gate = [m.values["time/update_gate_s"] for m in metrics]
+    assert max(gate[1:]) > 0.5  # the steps after the first waited for their predecessor's files
+    assert all(m.values["time/snapshot_s"] < 0.5 for m in metrics)  # nothing copied
+
+
+def test_the_gate_is_open_for_a_trainer_used_without_the_service():
+    model = torch.nn.Linear(2, 2)
+    trainer = PolicyTrainer.__new__(PolicyTrainer)
+    trainer.update_gate = threading.Event()
+    assert not trainer.update_gate.is_set()
+    # a PolicyTrainer made the normal way starts open (tests and benchmarks that call train_step directly)
+    from trainer_service.config import TrainerConfig
+    real = PolicyTrainer(model, TrainerConfig(), pad_id=0)
+    assert real.update_gate.is_set() and real.gate_wait_s == 0.0
+
+
+def test_detach_copies_the_live_tensors_and_opens_the_gate_once():
+    from trainer_service.main import StepSnapshot
+
+    gate = threading.Event()
+    w = {"w": torch.ones(4)}
+    moments = {"state": {0: {"exp_avg": torch.zeros(4)}}}
+    snap = StepSnapshot([], w, {"step": 1, "optimizer": moments}, {}, 1, 1, gate)
+    snap.detach()  # what the publisher does before waiting out a broker outage or a full disk
+    assert gate.is_set() and snap.gate is None
+    w["w"].add_(1)  # the trainer's next step changes the live tensors ...
+    moments["state"][0]["exp_avg"].add_(1)
+    assert torch.equal(snap.weights["w"], torch.ones(4))  # ... not what will be written
+    assert torch.equal(snap.state["optimizer"]["state"][0]["exp_avg"], torch.zeros(4))
+    gate.clear()  # the next version's
+    snap.detach()
+    snap.release()
+    assert not gate.is_set()  # neither opens the gate a second time
