@@ -31,8 +31,8 @@ this layout (the optimizer inside ``trainer_state.pt``) still load.
 
 ``optimizer.pt`` is written with direct I/O (:class:`DirectFile`, issue 20): a file that only resume reads
 has no business in the page cache, and on this machine's virtual disk buffered writes of ~1.6 GB per step
-cost 1.6-2.0 CPU-seconds of kernel time per step (page-cache allocation, reclaim and writeback) against
-0.3-0.6 with ``O_DIRECT`` (``benchmarks/checkpoint_io.py``). The weights stay buffered: the rollout engines
+cost the machine 1.6-2.0 CPU-seconds per step (mostly kernel time: page-cache allocation, reclaim and
+writeback) against 0.6-0.9 with the optimizer state through ``O_DIRECT`` (``benchmarks/checkpoint_io.py``). The weights stay buffered: the rollout engines
 read them right after, from the cache.
 """
 
@@ -50,20 +50,22 @@ import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, TypeVar
 
 import torch
 import xxhash
 
-try:  # imported lazily by torch.save itself: without this, the first save would not see the setting
-    import torch.utils.serialization.config  # noqa: F401
+try:  # imported here: torch.save imports it lazily, so before the first save the setting is not there to set
+    from torch.utils.serialization import config as _torch_serialization
+    _TORCH_SAVE = _torch_serialization.save if hasattr(_torch_serialization.save, "compute_crc32") else None
 except ImportError:  # a torch without the setting: _torch_crc32 is a no-op
-    pass
+    _TORCH_SAVE = None
 from safetensors.torch import load_file, save_file
 
 from shared.schemas import TensorInfo, WeightUpdate, decode
 
 log = logging.getLogger("checkpoint")
+T = TypeVar("T")
 
 CHECKSUMS: dict[str, Callable[[], Any]] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 """Checksum algorithms by the prefix of ``WeightUpdate.checksum`` (``<algorithm>:<hex>``). Weights are written with
@@ -221,14 +223,19 @@ class DirectFile(io.RawIOBase):
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
-            self._fd, self.direct = os.open(path, flags, 0o600), False
-            if not DirectFile._warned:
-                DirectFile._warned = True
-                log.info("%s: the file system refuses O_DIRECT; writing through the page cache", path)
+            self._fd = os.open(path, flags, 0o600)
+            self._buffered(f"{path}: the file system refuses O_DIRECT at open")
         self._stage = mmap.mmap(-1, stage_bytes)
         self._view = memoryview(self._stage)
         self._fill = 0
         self._hash = xxhash.xxh3_128()
+
+    def _buffered(self, why: str) -> None:
+        """From now on this file goes through the page cache (logged once per process)."""
+        self.direct = False
+        if not DirectFile._warned:
+            DirectFile._warned = True
+            log.info("%s; writing through the page cache", why)
 
     def writable(self) -> bool:
         return True
@@ -271,8 +278,7 @@ class DirectFile(io.RawIOBase):
                 if e.errno != errno.EINVAL or not self.direct:
                     raise
                 fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-                self.direct = False
-                log.info("writes with O_DIRECT refused (EINVAL); writing through the page cache")
+                self._buffered("a write with O_DIRECT was refused (EINVAL)")
                 continue
             if n <= 0 or (self.direct and done + n < end and n % self.BLOCK):
                 raise OSError(errno.ENOSPC, f"short write ({n} of {end - done} bytes)")
@@ -303,24 +309,22 @@ class DirectFile(io.RawIOBase):
 def _torch_crc32(enabled: bool):
     """Within the block, ``torch.save`` computes its zip records' CRC-32 or not (torch's process-wide
     ``torch.utils.serialization.config.save.compute_crc32``; restored after). A torch without it: no-op."""
-    cfg = getattr(getattr(torch.utils, "serialization", None), "config", None)
-    save_cfg = getattr(cfg, "save", None)
-    if save_cfg is None or not hasattr(save_cfg, "compute_crc32"):
+    if _TORCH_SAVE is None:
         yield
         return
-    before = save_cfg.compute_crc32
-    save_cfg.compute_crc32 = enabled
+    before = _TORCH_SAVE.compute_crc32
+    _TORCH_SAVE.compute_crc32 = enabled
     try:
         yield
     finally:
-        save_cfg.compute_crc32 = before
+        _TORCH_SAVE.compute_crc32 = before
 
 
-def _write_guarded(path: Path, write: Callable[[], None], cleanup: Callable[[], None]) -> None:
-    """Run ``write``; on any failure run ``cleanup`` and raise :class:`DiskFullError` for a full disk,
-    else re-raise."""
+def _write_guarded(path: Path, write: Callable[[], T], cleanup: Callable[[], None]) -> T:
+    """Run ``write`` and return its result; on any failure run ``cleanup`` and raise :class:`DiskFullError`
+    for a full disk, else re-raise."""
     try:
-        write()
+        return write()
     except BaseException as e:
         cleanup()
         if is_disk_full(e):
@@ -389,21 +393,21 @@ class CheckpointStore:
         d = self.version_dir(version)
         tmp = d.with_name(d.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        out: list[WeightUpdate] = []
 
-        def write() -> None:
+        def write() -> WeightUpdate:
             tmp.mkdir(parents=True)
             save_file(weights, str(tmp / "model.safetensors"))
-            out.append(WeightUpdate(model=model_name, version=version, step=step, transport="checkpoint",
-                                    path=str(d / "model.safetensors"), manifest=manifest(weights),
-                                    checksum=file_checksum(tmp / "model.safetensors")))
-            (tmp / "update.json").write_bytes(out[0].encode())
+            update = WeightUpdate(model=model_name, version=version, step=step, transport="checkpoint",
+                                  path=str(d / "model.safetensors"), manifest=manifest(weights),
+                                  checksum=file_checksum(tmp / "model.safetensors"))
+            (tmp / "update.json").write_bytes(update.encode())
             (tmp / "trained_groups.json").write_text(json.dumps(sorted(trained_groups or [])))
+            return update
 
-        _write_guarded(tmp, write, lambda: shutil.rmtree(tmp, ignore_errors=True))
+        update = _write_guarded(tmp, write, lambda: shutil.rmtree(tmp, ignore_errors=True))
         shutil.rmtree(d, ignore_errors=True)
         os.replace(tmp, d)
-        return out[0]
+        return update
 
     def save_trainer_state(self, update: WeightUpdate, trainer_state: dict) -> None:
         """Phase 2: add the trainer state to a version written by :meth:`save_weights`; it becomes ``latest``.
@@ -438,20 +442,19 @@ class CheckpointStore:
             DiskFullError: the file system is full (the ``.tmp`` file was removed).
         """
         tmp = path.with_name(path.name + ".tmp")
-        checksum: list[str] = []
 
-        def write() -> None:
+        def write() -> str | None:
             if not direct:
                 with open(tmp, "wb") as f:
                     torch.save(obj, f)
-                return
+                return None
             with DirectFile(tmp) as f, _torch_crc32(False):
                 torch.save(obj, f)
-            checksum.append(f.checksum)
+            return f.checksum
 
-        _write_guarded(tmp, write, lambda: tmp.unlink(missing_ok=True))
+        checksum = _write_guarded(tmp, write, lambda: tmp.unlink(missing_ok=True))
         os.replace(tmp, path)
-        return checksum[0] if checksum else None
+        return checksum
 
     def save(self, weights: dict[str, torch.Tensor], model_name: str, version: int, step: int,
              trainer_state: dict | None, trained_groups: list[str] | None = None) -> WeightUpdate:

@@ -331,7 +331,7 @@ class PolicyTrainer:
         """False after :meth:`load_state_dict` of a state whose optimizer moments were dropped."""
         self.update_gate = threading.Event()
         """Set while the weights and optimizer state may change. The service clears it when it hands the live
-        tensors of a version to its writer (:meth:`state_dict` with ``copy=False``,
+        tensors of a version to its writer (:meth:`state_dict` with ``copy_optimizer=False``,
         :func:`shared.checkpoint.live_weights`) and sets it once they are on disk; the next
         :meth:`_optimizer_step` waits for it, so a checkpoint never mixes two versions and nothing is copied."""
         self.update_gate.set()
