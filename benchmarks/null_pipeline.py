@@ -48,7 +48,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flywheel.broker import EmbeddedBroker, free_port, stop_pid  # noqa: E402
+from flywheel.broker import EmbeddedBroker, die_with_parent, free_port, stop_pid  # noqa: E402
 
 LEDGER = "null_trained.jsonl"  # trainer_service.null_step.NULL_LEDGER (the benchmark imports no service)
 
@@ -118,7 +118,7 @@ def _spawn(name: str, config: Path, run_dir: Path, bootstrap: str, extra_env: di
         prof = [] if os.environ.get("NULL_PIPELINE_PROFILE") != name else ["-m", "cProfile", "-o", str(run_dir / f"{name}.prof")]
         return subprocess.Popen([sys.executable, *prof, "-m", module], env=env, stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=run_dir,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=die_with_parent())
     finally:
         out.close()
 
@@ -151,7 +151,7 @@ def run_pipeline(work: Path, replicas: int, steps: int = 60, batch: int = 64, k:
     port = free_port()
     config = _config(run_dir, port, steps, batch, k, max_tokens, tokens_per_s, staleness)
     procs: list[subprocess.Popen] = []
-    with EmbeddedBroker.start(log_path=run_dir / "logs" / "broker.log") as broker:
+    with EmbeddedBroker.start(log_path=run_dir / "logs" / "broker.log", with_parent=True) as broker:
         import asyncio
 
         from shared.config import KafkaConfig

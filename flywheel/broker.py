@@ -9,6 +9,7 @@ dead broker on the same port with :meth:`EmbeddedBroker.start` (``port=``).
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import signal
@@ -17,11 +18,37 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 #: The only variables of the caller's environment the broker gets (memory storage needs no credentials;
 #: ``RUST_LOG``/``RUST_BACKTRACE`` are Tansu's own logging switches).
 BROKER_ENV_ALLOW = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "RUST_LOG", "RUST_BACKTRACE")
+
+
+PR_SET_PDEATHSIG = 1
+"""prctl(2) option: the signal a process gets when the thread that started it ends."""
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """A ``preexec_fn`` for :class:`subprocess.Popen`: the child gets ``sig`` when the process that started it
+    dies, by ``kill -9`` too (Linux ``prctl(PR_SET_PDEATHSIG)``, prctl(2)). A supervisor or a test run that is
+    killed then leaves no service or broker running on under init.
+
+    The kernel sends ``sig`` when the *thread* that forked the child ends, so start children from a thread that
+    lives as long as they should (the supervisor's main thread). A child whose parent died between the fork and
+    the ``prctl`` call (``getppid()`` no longer names it) sends itself ``sig`` at once. Where ``prctl`` is
+    missing (not Linux) the child runs as before.
+    """
+    parent, prctl = os.getpid(), getattr(_libc, "prctl", None)
+
+    def preexec() -> None:
+        if prctl is None or prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sig)
+    return preexec
 
 
 def broker_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -88,11 +115,13 @@ class EmbeddedBroker:
 
     @classmethod
     def start(cls, port: int | None = None, host: str = "127.0.0.1", log_path: str | os.PathLike | None = None,
-              timeout_s: float = 30.0, env: Mapping[str, str] | None = None) -> "EmbeddedBroker":
+              timeout_s: float = 30.0, env: Mapping[str, str] | None = None,
+              with_parent: bool = False) -> "EmbeddedBroker":
         """Start tansu on ``host:port`` (a free port when None) and wait until it accepts connections.
 
         The process gets ``env`` (default :func:`broker_env`), umask 0o077, its own session, and appends
-        to ``log_path`` (created 0600). Restarting on the port of a dead broker works at once (Tansu
+        to ``log_path`` (created 0600). ``with_parent``: it is stopped (SIGTERM) when the calling thread's
+        process dies (:func:`die_with_parent`; the supervisor and the test session pass True). Restarting on the port of a dead broker works at once (Tansu
         listens with ``SO_REUSEADDR``, so sockets of the old one in TIME_WAIT do not block it).
 
         Raises:
@@ -109,6 +138,7 @@ class EmbeddedBroker:
                  "--storage-engine", "memory://tansu/"],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                 env=dict(broker_env() if env is None else env), umask=0o077,
+                preexec_fn=die_with_parent() if with_parent else None,
             )
         finally:
             if log_path:

@@ -38,7 +38,7 @@ from typing import Mapping
 import httpx
 import orjson
 
-from flywheel.broker import EmbeddedBroker, broker_env, free_port, open_private_log, stop_pid
+from flywheel.broker import EmbeddedBroker, broker_env, die_with_parent, free_port, open_private_log, stop_pid
 from shared.auth import auth_headers, ensure_token_file, write_private
 from shared.config import KafkaConfig, RunConfig, read_yaml
 
@@ -317,7 +317,8 @@ class LocalSystem:
         token = env.get("FLYWHEEL_AUTH__TOKEN") or ensure_token_file(token_file)
         broker = None
         if bootstrap_servers is None:
-            broker = EmbeddedBroker.start(log_path=run_dir / "logs" / "broker.log", env=broker_env(os.environ))
+            broker = EmbeddedBroker.start(log_path=run_dir / "logs" / "broker.log", env=broker_env(os.environ),
+                                          with_parent=True)
             bootstrap_servers = broker.bootstrap_servers
         sandbox_port, scheduler_port, broadcast_port = free_port(), free_port(), free_port()
         env.update({  # what this system instance decides wins over the overrides
@@ -375,7 +376,8 @@ class LocalSystem:
             cmd = self.commands.get(name) or [sys.executable, "-m", f"{name}_service"]
             proc = subprocess.Popen(cmd, env=self.service_env(name), stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                    cwd=self.run_dir, umask=SERVICE_UMASK.get(name, DEFAULT_UMASK))
+                                    cwd=self.run_dir, umask=SERVICE_UMASK.get(name, DEFAULT_UMASK),
+                                    preexec_fn=die_with_parent())  # no orphans if the supervisor is killed
         finally:
             out.close()
         prev = self.services.get(name)
@@ -484,7 +486,7 @@ class LocalSystem:
         self.broker_crashes.append(now)
         try:
             self.broker = EmbeddedBroker.start(port=old.port, host=old.host, log_path=log_path,
-                                               env=broker_env(os.environ))
+                                               env=broker_env(os.environ), with_parent=True)
         except (RuntimeError, TimeoutError, OSError) as e:
             raise RuntimeError(msg + f"\nthe broker could not be restarted on {old.bootstrap_servers}: {e}") from e
         event.new_pid = self.broker.pid

@@ -14,7 +14,7 @@ from shared.config import KafkaConfig
 @pytest.fixture(scope="session")
 def broker():
     """One Tansu broker (memory storage, free loopback port) for the session, stopped by pid at the end."""
-    b = EmbeddedBroker.start()
+    b = EmbeddedBroker.start(with_parent=True)  # gone with the test run, even if it is killed
     try:
         yield b
     finally:

@@ -22,11 +22,12 @@ at the newest published version (:func:`build_trainer`).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -443,13 +444,45 @@ class StepSnapshot:
     gate: threading.Event | None = None
     """Set once ``weights`` and ``state`` are written (``weights`` and ``state`` are then the live tensors, the
     trainer's :attr:`~trainer_service.trainer.PolicyTrainer.update_gate`); None: they are copies."""
+    _readers: int = 0
+    """Threads of :meth:`in_thread` still running (they may read the live tensors)."""
+    _held: threading.Event | None = None
+    """A gate :meth:`release` left closed while readers ran: the last reader to return opens it."""
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def release(self) -> None:
         """Let the trainer change the tensors again. Once only: the gate is the trainer's one event, which the
-        next step clears again for its own version, so a second release would open it under that version."""
-        gate, self.gate = self.gate, None
+        next step clears again for its own version, so a second release would open it under that version.
+        While a thread of :meth:`in_thread` is still running (its awaiting task was cancelled, e.g. by
+        :meth:`TrainLoop.drain`'s timeout), the gate opens only when that thread returns."""
+        with self._lock:
+            gate, self.gate = self.gate, None
+            if gate is not None and self._readers:
+                self._held, gate = gate, None
         if gate is not None:
             gate.set()
+
+    async def in_thread(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` (a write or broadcast that reads ``weights`` or ``state``) in a worker thread, like
+        :func:`asyncio.to_thread` (context variables included); returns its result and raises what it raises.
+        The thread is counted until it returns, so that a cancelled wait cannot open the gate under it
+        (:meth:`release`)."""
+        with self._lock:
+            self._readers += 1
+        ctx = contextvars.copy_context()
+
+        def run() -> Any:
+            try:
+                return ctx.run(fn)
+            finally:
+                with self._lock:
+                    self._readers -= 1
+                    held = self._held if self._readers == 0 else None
+                    if held is not None:
+                        self._held = None
+                if held is not None:
+                    held.set()
+        return await asyncio.get_running_loop().run_in_executor(None, run)
 
     def detach(self) -> None:
         """Before the publisher waits on something outside the process (a broker outage, a full disk): copy the
@@ -541,12 +574,12 @@ class Publisher:
                                      need, snap.version)
         receivers = await asyncio.to_thread(broadcaster.live_receivers) if broadcaster else []
         if receivers:  # the file stays the fallback for anyone outside the session or whose session fails
-            await asyncio.to_thread(broadcaster.prepare, snap.version, receivers, snap.weights)
+            await snap.in_thread(lambda: broadcaster.prepare(snap.version, receivers, snap.weights))
             update = update.model_copy(update={"transport": "distributed", "receivers": receivers})
         await self._announce(topics.WEIGHTS, update, update.model, on_wait=snap.detach)
         metrics["time/publish_s"] = time.perf_counter() - t0  # step end → version announced, less the snapshot
         if receivers:
-            res = await asyncio.to_thread(broadcaster.broadcast, snap.version, snap.weights, receivers)
+            res = await snap.in_thread(lambda: broadcaster.broadcast(snap.version, snap.weights, receivers))
             metrics["weights/broadcast_ok"] = float(res["ok"])
             metrics["weights/broadcast_receivers"] = float(len(receivers))
             metrics["time/broadcast_s"] = res["seconds"]
@@ -614,7 +647,7 @@ class Publisher:
             error = None
             if level != "critical":
                 try:
-                    result = await asyncio.to_thread(write)
+                    result = await snap.in_thread(write)  # reads the live tensors
                 except DiskFullError as e:
                     error, level = str(e), "critical"
                 else:

@@ -80,3 +80,51 @@ def test_detach_copies_the_live_tensors_and_opens_the_gate_once():
     snap.detach()
     snap.release()
     assert not gate.is_set()  # neither opens the gate a second time
+
+
+async def test_a_cancelled_publication_opens_the_gate_only_when_its_write_returns(tmp_path, monkeypatch):
+    """The trainer's drain at shutdown waits ≤ 120 s for a publication, then cancels it; the write thread goes
+    on reading the live tensors. The gate must stay closed until that thread returns, or the next optimizer
+    step could change tensors that are being written (real Publisher and CheckpointStore, the write held)."""
+    import asyncio
+
+    from flywheel.config import load_config
+    from trainer_service.groups import GroupBuffer
+    from trainer_service.main import Publisher, StepSnapshot
+
+    cfg = load_config(model={"name": "tiny"}, run={"dir": str(tmp_path / "run")})
+    store = CheckpointStore(tmp_path / "ckpt")
+    entered, go, seen = threading.Event(), threading.Event(), []
+    real = CheckpointStore.save_weights
+
+    def held(self, weights, *args, **kwargs):
+        entered.set()
+        go.wait(30)
+        seen.append(weights["w"].clone())  # what the write reads after the cancellation
+        return real(self, weights, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointStore, "save_weights", held)
+    gate, w = threading.Event(), {"w": torch.ones(4)}
+    snap = StepSnapshot([], w, {"step": 1, "optimizer": None}, {}, 1, 1, gate)
+    publishing = asyncio.create_task(Publisher(cfg, store, GroupBuffer(1), producer=None).publish(snap, None))
+    assert await asyncio.to_thread(entered.wait, 30)
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(publishing, timeout=0.1)  # drain's timeout, shortened
+    assert publishing.cancelled()
+    assert not gate.is_set(), "the gate opened while the write still reads the live tensors"
+    go.set()
+    assert await asyncio.to_thread(gate.wait, 30), "the gate never opened after the write returned"
+    assert torch.equal(seen[0], torch.ones(4))
+    assert store.version_dir(1).is_dir()  # the write finished after all
+
+
+async def test_in_thread_returns_and_raises_what_the_function_does():
+    from trainer_service.main import StepSnapshot
+
+    gate = threading.Event()
+    snap = StepSnapshot([], {}, {}, {}, 1, 1, gate)
+    assert await snap.in_thread(lambda: 7) == 7
+    with pytest.raises(ZeroDivisionError):
+        await snap.in_thread(lambda: 1 / 0)
+    snap.release()  # no thread running: opens at once
+    assert gate.is_set()
