@@ -84,7 +84,7 @@ def build_engine(config: RolloutSettings):
     from rollout_service.torch_engine import TorchEngine
 
     torch.set_num_threads(cfg.torch_threads)
-    engine = TorchEngine(load_model(model_dir, cfg.dtype), tok, seed=cfg.seed)
+    engine = TorchEngine(load_model(model_dir, cfg.dtype, cfg.attention), tok, seed=cfg.seed)
     attach_burst(engine.model, CoreBurst(cfg.torch_threads, cfg.burst_threads))
     return engine, tok
 

@@ -154,3 +154,25 @@ def test_sample_categorical_draws_in_proportion_and_never_a_zero_probability_tok
     torch.testing.assert_close(counts[[1, 3, 4]], torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), atol=0.015, rtol=0)
     edge = torch.tensor([[0.25, 0.75, 0.0, 0.0]])  # whatever u is, never past the last positive token
     assert all(int(sample_categorical(edge, gen)) in (0, 1) for _ in range(200))
+
+
+def test_rollout_attention_reaches_the_engine_and_eager_samples_what_sdpa_does(tiny_dir):
+    """``rollout.attention: eager`` (the main job's) loads the engine's model with eager attention, and its
+    samples and behaviour log-probs are those of the default ``sdpa`` engine (fp32, same seed), left-padded
+    prompts of different lengths included."""
+    from rollout_service.config import RolloutSettings
+    from rollout_service.main import build_engine
+
+    engines = {}
+    for kernel in ("sdpa", "eager"):
+        cfg = RolloutSettings(model={"name": str(tiny_dir)}, rollout={"attention": kernel, "seed": 4})
+        engines[kernel], tok = build_engine(cfg)
+        assert engines[kernel].model.config._attn_implementation == kernel
+    prompts = [encode_chat(tok, [{"role": "user", "content": "hi"}]),
+               encode_chat(tok, [{"role": "user", "content": "a much longer prompt than the first"}])]
+    reqs = [GenerationRequest(p, 4, SamplingParams(max_new_tokens=8, temperature=1.0, seed=9)) for p in prompts]
+    sdpa, eager = (engines[k].generate(reqs) for k in ("sdpa", "eager"))
+    for a_group, b_group in zip(sdpa, eager):
+        for a, b in zip(a_group, b_group):
+            assert a.completion_ids == b.completion_ids
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=1e-4)
