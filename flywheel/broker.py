@@ -28,7 +28,10 @@ BROKER_ENV_ALLOW = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "RUST_LOG"
 PR_SET_PDEATHSIG = 1
 """prctl(2) option: the signal a process gets when the thread that started it ends."""
 
-_libc = ctypes.CDLL(None, use_errno=True)
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+except (OSError, TypeError):  # no C library to load by name None (Windows): no hook
+    _libc = None
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
@@ -120,8 +123,9 @@ class EmbeddedBroker:
         """Start tansu on ``host:port`` (a free port when None) and wait until it accepts connections.
 
         The process gets ``env`` (default :func:`broker_env`), umask 0o077, its own session, and appends
-        to ``log_path`` (created 0600). ``with_parent``: it is stopped (SIGTERM) when the calling thread's
-        process dies (:func:`die_with_parent`; the supervisor and the test session pass True). Restarting on the port of a dead broker works at once (Tansu
+        to ``log_path`` (created 0600). ``with_parent``: it gets SIGTERM when the calling thread ends, its
+        process dying included (:func:`die_with_parent`; the supervisor and the test session, which start it
+        from their main thread, pass True). Restarting on the port of a dead broker works at once (Tansu
         listens with ``SO_REUSEADDR``, so sockets of the old one in TIME_WAIT do not block it).
 
         Raises:

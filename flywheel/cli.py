@@ -549,6 +549,20 @@ def submit_cmd(file: Annotated[Path, typer.Argument(exists=True, dir_okay=False,
     console.print(f"submitted {len(ids)} tasks")
 
 
+def _still(pid: int | None, marker: str) -> bool:
+    """``pid`` is alive and, where ``/proc`` shows its command line, still the process it was: the line holds
+    ``marker`` (``tansu``, ``<name>_service``). A pid the kernel has since given to another process is left
+    alone."""
+    if not _alive(pid):
+        return False
+    try:
+        return marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:  # gone meanwhile, or no /proc (not Linux): trust the pid there
+        return not os.path.isdir("/proc")
+    except OSError:
+        return False
+
+
 def _alive(pid: int | None) -> bool:
     if not pid:
         return False
@@ -784,8 +798,10 @@ def down(run_dir: RunDirOpt = None, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-    for other in [st["broker_pid"], *st["services"].values()]:  # supervisor gone: clean up what is left
-        if _alive(other):
+    # supervisor gone: clean up what is left (on Linux its children end with it: launcher's die_with_parent)
+    leftovers = [(st["broker_pid"], "tansu"), *((p, f"{n}_service") for n, p in st["services"].items())]
+    for other, marker in leftovers:
+        if _still(other, marker):
             os.kill(other, signal.SIGTERM)
     if run_dir is None:
         _pointer().unlink(missing_ok=True)

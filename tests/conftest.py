@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from flywheel.broker import EmbeddedBroker, free_port, stop_pid
+from flywheel.broker import EmbeddedBroker, die_with_parent, free_port, stop_pid
 from shared.config import KafkaConfig
 
 
@@ -83,7 +83,7 @@ def sandbox_url(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("sandbox")
     env = dict(os.environ, FLYWHEEL_SANDBOX__PORT=str(port), FLYWHEEL_RUN__DIR=str(run_dir))
     proc = subprocess.Popen([sys.executable, "-m", "sandbox_service"], env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent())
     url = f"http://127.0.0.1:{port}"
     _SANDBOX_RUN_DIRS[url] = run_dir
     try:

@@ -22,6 +22,7 @@ at the newest published version (:func:`build_trainer`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import copy
 import logging
@@ -425,6 +426,10 @@ async def _announce_drops(producer, buffer: GroupBuffer, version: int) -> list[D
     return drops
 
 
+WRITERS = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="flywheel-publish")
+"""The threads that write (and broadcast) published versions from the live tensors (:meth:`StepSnapshot.in_thread`)."""
+
+
 @dataclass
 class StepSnapshot:
     """What one optimizer step leaves to publish: copied before the next step changes the model."""
@@ -444,17 +449,17 @@ class StepSnapshot:
     gate: threading.Event | None = None
     """Set once ``weights`` and ``state`` are written (``weights`` and ``state`` are then the live tensors, the
     trainer's :attr:`~trainer_service.trainer.PolicyTrainer.update_gate`); None: they are copies."""
-    _readers: int = 0
-    """Threads of :meth:`in_thread` still running (they may read the live tensors)."""
-    _held: threading.Event | None = None
-    """A gate :meth:`release` left closed while readers ran: the last reader to return opens it."""
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _readers: int = field(default=0, init=False, repr=False, compare=False)
+    """Jobs of :meth:`in_thread` submitted and not yet finished or cancelled (they may read the live tensors)."""
+    _held: threading.Event | None = field(default=None, init=False, repr=False, compare=False)
+    """A gate :meth:`release` left closed while readers ran: the last reader to finish opens it."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def release(self) -> None:
         """Let the trainer change the tensors again. Once only: the gate is the trainer's one event, which the
         next step clears again for its own version, so a second release would open it under that version.
-        While a thread of :meth:`in_thread` is still running (its awaiting task was cancelled, e.g. by
-        :meth:`TrainLoop.drain`'s timeout), the gate opens only when that thread returns."""
+        While a job of :meth:`in_thread` is still queued or running (its awaiting task was cancelled, e.g. by
+        :meth:`TrainLoop.drain`'s timeout), the gate opens only when that job has finished or was cancelled."""
         with self._lock:
             gate, self.gate = self.gate, None
             if gate is not None and self._readers:
@@ -463,26 +468,29 @@ class StepSnapshot:
             gate.set()
 
     async def in_thread(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` (a write or broadcast that reads ``weights`` or ``state``) in a worker thread, like
-        :func:`asyncio.to_thread` (context variables included); returns its result and raises what it raises.
-        The thread is counted until it returns, so that a cancelled wait cannot open the gate under it
-        (:meth:`release`)."""
+        """``fn()`` (a write or broadcast that reads ``weights`` or ``state``) on a publisher thread
+        (:data:`WRITERS`), context variables included like :func:`asyncio.to_thread`; returns its result and
+        raises what it raises. The job is counted from its submission until it has finished, or was cancelled
+        before it started (the future's done-callback runs in both cases), so that a cancelled wait cannot open
+        the gate under a running write (:meth:`release`) and a job that never ran cannot keep it shut."""
         with self._lock:
             self._readers += 1
-        ctx = contextvars.copy_context()
+        try:
+            job = WRITERS.submit(contextvars.copy_context().run, fn)
+        except BaseException:  # not submitted (the pool is shut down): nothing will read
+            self._reader_done(None)
+            raise
+        job.add_done_callback(self._reader_done)
+        return await asyncio.wrap_future(job)
 
-        def run() -> Any:
-            try:
-                return ctx.run(fn)
-            finally:
-                with self._lock:
-                    self._readers -= 1
-                    held = self._held if self._readers == 0 else None
-                    if held is not None:
-                        self._held = None
-                if held is not None:
-                    held.set()
-        return await asyncio.get_running_loop().run_in_executor(None, run)
+    def _reader_done(self, _job) -> None:
+        with self._lock:
+            self._readers -= 1
+            held = self._held if self._readers == 0 else None
+            if held is not None:
+                self._held = None
+        if held is not None:
+            held.set()
 
     def detach(self) -> None:
         """Before the publisher waits on something outside the process (a broker outage, a full disk): copy the

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from flywheel.broker import die_with_parent
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -19,7 +21,7 @@ def test_smollm2_arithmetic_held_out_accuracy_rises(tmp_path):
     report = tmp_path / "arithmetic.json"
     subprocess.run([sys.executable, "-m", "flywheel.cli", "run", str(ROOT / "examples/arithmetic.yaml"),
                     "--report", str(report), "--set", f"run.dir={tmp_path}/runs", "--timeout", "1500"],
-                   check=True, cwd=tmp_path, timeout=1700)
+                   check=True, cwd=tmp_path, timeout=1700, preexec_fn=die_with_parent())
     rep = json.loads(report.read_text())
     before, after = rep["eval"]["before"], rep["eval"]["after"]
     assert before["n"] == after["n"] == 64

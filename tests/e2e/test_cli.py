@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from flywheel.broker import die_with_parent
 from tests.support.system import procs_under
 
 from shared.model import build_tiny_model
@@ -31,7 +32,7 @@ _procs_under = procs_under
 
 def _flywheel(*args, cwd, timeout=600, check=True):
     r = subprocess.run([sys.executable, "-m", "flywheel.cli", *args], cwd=cwd, capture_output=True, text=True,
-                       timeout=timeout)
+                       timeout=timeout, preexec_fn=die_with_parent())  # a killed test run leaves no system
     if check and r.returncode != 0:
         raise AssertionError(f"flywheel {' '.join(args)} -> {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return r
@@ -75,7 +76,8 @@ def test_up_submit_status_supervise_down(tiny, tmp_path):
                    "scheduler: {max_tokens: 2}\n")
     env = dict(os.environ, FLYWHEEL_CONFIG=str(cfg))
     up = subprocess.Popen([sys.executable, "-m", "flywheel.cli", "up", str(cfg)], cwd=tmp_path, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                          preexec_fn=die_with_parent())
     try:
         state_file = runs / "system" / "flywheel.json"
         deadline = time.monotonic() + 180

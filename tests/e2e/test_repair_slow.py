@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from flywheel.broker import die_with_parent
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -22,7 +24,7 @@ def test_humaneval_repair_loop_runs_through_all_services(tmp_path):
     report = tmp_path / "repair.json"
     r = subprocess.run([sys.executable, "-m", "flywheel.cli", "run", str(ROOT / "examples/humaneval_repair.yaml"),
                         "--set", f"run.dir={tmp_path / 'runs'}", "--report", str(report), "--timeout", "1500"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=1800)
+                       cwd=tmp_path, capture_output=True, text=True, timeout=1800, preexec_fn=die_with_parent())
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rep = json.loads(report.read_text())
     assert rep["steps"] == 2

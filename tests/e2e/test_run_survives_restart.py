@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from flywheel.broker import die_with_parent
+
 from tests.support.system import procs_under
 
 from shared.auth import auth_headers, token_from_run_dir
@@ -48,7 +50,8 @@ def test_flywheel_run_survives_a_kill_9_of_the_scheduler(tiny, tmp_path):
            "--set", f"run.dir={tmp_path / 'runs'}", "--set", f"budget.max_steps={STEPS}", "--report", str(report),
            "--timeout", "300"]
     with open(out, "w") as f:
-        cli = subprocess.Popen(cmd, cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        cli = subprocess.Popen(cmd, cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                               preexec_fn=die_with_parent())
     pointer, run_dir = tmp_path / ".flywheel" / "current.json", None
     t0 = time.monotonic()
     try:

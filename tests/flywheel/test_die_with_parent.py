@@ -102,3 +102,19 @@ def test_a_child_whose_parent_is_already_gone_ends_at_once():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == str(-signal.SIGTERM), (out.stdout, out.stderr)
+
+
+def test_down_signals_only_processes_that_are_still_the_systems():
+    """``flywheel down`` after the supervisor died: a recorded pid is signalled only while its command line
+    still names the process (a pid reused by another program is left alone)."""
+    from flywheel.cli import _still
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)  # trainer_service"])
+    try:
+        assert _still(child.pid, "trainer_service")
+        assert not _still(child.pid, "tansu")  # the same pid, now some other program's
+    finally:
+        child.kill()
+        child.wait(10)
+    assert not _still(child.pid, "trainer_service")
+    assert not _still(None, "tansu")

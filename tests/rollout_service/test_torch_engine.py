@@ -157,7 +157,7 @@ def test_sample_categorical_draws_in_proportion_and_never_a_zero_probability_tok
 
 
 def test_rollout_attention_reaches_the_engine_and_eager_samples_what_sdpa_does(tiny_dir):
-    """``rollout.attention: eager`` (the main job's) loads the engine's model with eager attention, and its
+    """``rollout.attention: eager`` loads the engine's model with eager attention, and its
     samples and behaviour log-probs are those of the default ``sdpa`` engine (fp32, same seed), left-padded
     prompts of different lengths included."""
     from rollout_service.config import RolloutSettings

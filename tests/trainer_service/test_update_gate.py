@@ -92,15 +92,15 @@ async def test_a_cancelled_publication_opens_the_gate_only_when_its_write_return
     from trainer_service.groups import GroupBuffer
     from trainer_service.main import Publisher, StepSnapshot
 
-    cfg = load_config(model={"name": "tiny"}, run={"dir": str(tmp_path / "run")})
+    cfg = load_config(model={"name": "tiny"}, run={"dir": str(tmp_path / "run")},
+                      trainer={"disk_reserve_bytes": 0})  # a nearly full disk must not take the waiting path
     store = CheckpointStore(tmp_path / "ckpt")
-    entered, go, seen = threading.Event(), threading.Event(), []
+    entered, go = threading.Event(), threading.Event()
     real = CheckpointStore.save_weights
 
     def held(self, weights, *args, **kwargs):
         entered.set()
         go.wait(30)
-        seen.append(weights["w"].clone())  # what the write reads after the cancellation
         return real(self, weights, *args, **kwargs)
 
     monkeypatch.setattr(CheckpointStore, "save_weights", held)
@@ -114,7 +114,6 @@ async def test_a_cancelled_publication_opens_the_gate_only_when_its_write_return
     assert not gate.is_set(), "the gate opened while the write still reads the live tensors"
     go.set()
     assert await asyncio.to_thread(gate.wait, 30), "the gate never opened after the write returned"
-    assert torch.equal(seen[0], torch.ones(4))
     assert store.version_dir(1).is_dir()  # the write finished after all
 
 
@@ -128,3 +127,35 @@ async def test_in_thread_returns_and_raises_what_the_function_does():
         await snap.in_thread(lambda: 1 / 0)
     snap.release()  # no thread running: opens at once
     assert gate.is_set()
+
+
+async def test_a_write_cancelled_before_it_started_does_not_keep_the_gate_shut(monkeypatch):
+    """Both publisher threads busy: a third write waits in the pool's queue. Cancelled there, it never runs, and
+    the gate must still open once the running ones return (else the next optimizer step would wait forever)."""
+    import asyncio
+
+    from trainer_service import main as trainer_main
+    from trainer_service.main import StepSnapshot
+
+    busy, go = threading.Barrier(3), threading.Event()
+
+    def hold():
+        busy.wait(30)
+        go.wait(30)
+
+    gate = threading.Event()
+    snap = StepSnapshot([], {}, {}, {}, 1, 1, gate)
+    running = [asyncio.ensure_future(snap.in_thread(hold)) for _ in range(trainer_main.WRITERS._max_workers)]
+    await asyncio.to_thread(busy.wait, 30)  # every publisher thread is in hold()
+    ran = threading.Event()
+    queued = asyncio.ensure_future(snap.in_thread(ran.set))
+    await asyncio.sleep(0.05)
+    queued.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    snap.release()
+    assert not gate.is_set()  # the two running writes still read
+    go.set()
+    await asyncio.gather(*running)
+    assert await asyncio.to_thread(gate.wait, 10), "a write that never ran kept the gate shut"
+    assert not ran.is_set()
