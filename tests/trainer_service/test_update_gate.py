@@ -129,15 +129,16 @@ async def test_in_thread_returns_and_raises_what_the_function_does():
     assert gate.is_set()
 
 
-async def test_a_write_cancelled_before_it_started_does_not_keep_the_gate_shut(monkeypatch):
-    """Both publisher threads busy: a third write waits in the pool's queue. Cancelled there, it never runs, and
+async def test_a_write_cancelled_before_it_started_does_not_keep_the_gate_shut():
+    """Every publisher thread busy: one more write waits in the pool's queue. Cancelled there, it never runs, and
     the gate must still open once the running ones return (else the next optimizer step would wait forever)."""
     import asyncio
 
     from trainer_service import main as trainer_main
     from trainer_service.main import StepSnapshot
 
-    busy, go = threading.Barrier(3), threading.Event()
+    threads = trainer_main.WRITERS._max_workers
+    busy, go = threading.Barrier(threads + 1), threading.Event()
 
     def hold():
         busy.wait(30)
@@ -145,7 +146,7 @@ async def test_a_write_cancelled_before_it_started_does_not_keep_the_gate_shut(m
 
     gate = threading.Event()
     snap = StepSnapshot([], {}, {}, {}, 1, 1, gate)
-    running = [asyncio.ensure_future(snap.in_thread(hold)) for _ in range(trainer_main.WRITERS._max_workers)]
+    running = [asyncio.ensure_future(snap.in_thread(hold)) for _ in range(threads)]
     await asyncio.to_thread(busy.wait, 30)  # every publisher thread is in hold()
     ran = threading.Event()
     queued = asyncio.ensure_future(snap.in_thread(ran.set))
@@ -154,7 +155,7 @@ async def test_a_write_cancelled_before_it_started_does_not_keep_the_gate_shut(m
     with pytest.raises(asyncio.CancelledError):
         await queued
     snap.release()
-    assert not gate.is_set()  # the two running writes still read
+    assert not gate.is_set()  # the running writes still read
     go.set()
     await asyncio.gather(*running)
     assert await asyncio.to_thread(gate.wait, 10), "a write that never ran kept the gate shut"
