@@ -111,7 +111,13 @@ def test_down_signals_only_processes_that_are_still_the_systems():
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)  # trainer_service"])
     try:
-        assert _still(child.pid, "trainer_service")
+        # Popen returns once the child's exec has closed its error pipe, which the kernel does before it
+        # lays out the new program's arguments: for a moment the command line reads empty. (The services
+        # `down` looks at have run for seconds at least.)
+        deadline = time.monotonic() + 10
+        while not Path(f"/proc/{child.pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _still(child.pid, "trainer_service"), (child.poll(), Path(f"/proc/{child.pid}/cmdline").read_bytes())
         assert not _still(child.pid, "tansu")  # the same pid, now some other program's
     finally:
         child.kill()

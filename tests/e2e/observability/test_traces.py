@@ -55,11 +55,25 @@ def _assert_one_tree(spans: list[dict]) -> dict:
     return roots[0]
 
 
+def _whole(spans: list[dict], trained: bool) -> bool:
+    """Every span of the group's trace has reached the store: the root, a verify and a sandbox span per
+    sample, every span's parent and, with ``trained``, the trainer's ``train_group`` (outcome ``trained``).
+    Each process exports its spans on its own clock (about once a second), so a later span (the trainer's,
+    or the sandbox's inside a verify) can land before an earlier one; a trace read then is not yet whole.
+    A service that never writes a span leaves no whole trace and :func:`_find` fails."""
+    ids = {s["span_id"] for s in spans}
+    k = next((s["attributes"].get("n", 0) for s in spans if s["name"] == "issue_group"), 0)  # the group's size
+    samples = {s["attributes"].get("sample_index") for s in spans if s["name"] == "verify"}
+    return (k > 0 and len(samples) >= k and sum(s["name"] == "sandbox.execute" for s in spans) >= k
+            and all(s["parent_id"] is None or s["parent_id"] in ids for s in spans)
+            and (not trained or any(s["name"] == "train_group" and s["attributes"].get("outcome") == "trained"
+                                    for s in spans)))
+
+
 def test_a_code_groups_trace_spans_all_five_services_as_one_tree(observed):
     store = SpanStore(observed.run_dir / "traces.sqlite")
     summary = _find(store, lambda g: g["domain"] == "code" and g["purpose"] == "train" and FIVE <= set(g["services"])
-                    and any(s["name"] == "train_group" and s["attributes"].get("outcome") == "trained"
-                            for s in store.trace(g["trace_id"])))
+                    and _whole(store.trace(g["trace_id"]), trained=True))
     spans = store.group_trace(summary["group_id"])
     gid = summary["group_id"]
     assert {s["service"] for s in spans} == FIVE
@@ -93,7 +107,8 @@ def test_a_code_groups_trace_spans_all_five_services_as_one_tree(observed):
 def test_an_eval_groups_trace_is_one_tree_through_the_sandbox(observed):
     store = SpanStore(observed.run_dir / "traces.sqlite")
     summary = _find(store, lambda g: g["domain"] == "code" and g["purpose"] == "eval"
-                    and {"scheduler", "rollout", "verifier", "sandbox"} <= set(g["services"]))
+                    and {"scheduler", "rollout", "verifier", "sandbox"} <= set(g["services"])
+                    and _whole(store.trace(g["trace_id"]), trained=False))
     spans = store.group_trace(summary["group_id"])
     root = _assert_one_tree(spans)
     assert root["attributes"]["purpose"] == "eval" and "eval_round" in root["attributes"]
