@@ -59,10 +59,10 @@ SERVICE_ENV_ALLOW = frozenset({
     "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
     "http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY",
 })
-#: ... and by prefix: locale, Python, Hugging Face / tokenizers, torch, CUDA, OpenTelemetry, Flywheel's own
-#: settings (``FLYWHEEL_<SECTION>__<FIELD>``), TLS trust stores.
-SERVICE_ENV_PREFIXES = ("LC_", "PYTHON", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH_", "CUDA_", "NVIDIA_",
-                        "OTEL_", "FLYWHEEL_", "SSL_CERT_")
+#: ... and by prefix: locale, Python, Hugging Face / tokenizers, torch and its CPU kernels' oneDNN, CUDA,
+#: OpenTelemetry, Flywheel's own settings (``FLYWHEEL_<SECTION>__<FIELD>``), TLS trust stores.
+SERVICE_ENV_PREFIXES = ("LC_", "PYTHON", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH_", "ONEDNN_", "DNNL_",
+                        "CUDA_", "NVIDIA_", "OTEL_", "FLYWHEEL_", "SSL_CERT_")
 #: umask of each service's process (0o077: files 0600, directories 0700). The sandbox keeps 0o022: its worker
 #: builds the programs' read-only root with plain ``os.mkdir`` and relies on the usual umask for the slot uids
 #: to traverse it (under 0o077 every run failed with ``Permission denied: '/dev/null'``); its files in the run

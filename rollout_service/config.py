@@ -58,7 +58,9 @@ class RolloutConfig(BaseModel):
     ``sdpa``'s CPU flash kernel spent 1.1 ms a call (a quarter of the main job's generation time); 32 samples of
     ≤ 24 tokens took 0.84x the time per token in bf16 (``benchmarks/rollout_attention.py``). In the main job
     that did not show in the wall time (345 and 366 s against 357 s) and the rollout's peak RSS rose from 1,797
-    to 2,348 MiB, so the job keeps ``sdpa``. Eager's prefill holds a [batch, heads, L, L] score tensor: keep
+    to 2,348 MiB (oneDNN's cache of compiled matmul shapes: each decode step is a new key/value length;
+    ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=64`` in the launcher's environment halved the rise), so the job keeps
+    ``sdpa``. Eager's prefill holds a [batch, heads, L, L] score tensor: keep
     ``sdpa`` for long prompts or tool loops."""
     sandbox_url: str = "http://127.0.0.1:8100"
     """Base URL of the sandbox the tool loop calls (``run_python``, ``run_tests``)."""

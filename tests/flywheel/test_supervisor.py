@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from flywheel.broker import EmbeddedBroker, free_port
-from flywheel.launcher import LocalSystem, RestartPolicy, exit_reason
+from flywheel.launcher import LocalSystem, RestartPolicy, allowed_env, exit_reason
 from shared import topics
 
 
@@ -192,3 +192,11 @@ def test_a_killed_broker_is_restarted_on_its_port_first_and_the_services_it_took
             system.check()
     finally:
         system.stop()
+
+
+def test_the_services_environment_passes_torch_knobs_and_nothing_else():
+    """oneDNN's variables (torch's CPU kernels: ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` caps the compiled-shape
+    cache that eager attention fills) reach the services; a secret of the operator's shell does not."""
+    shell = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "DNNL_VERBOSE": "0", "TORCH_SHOW_CPP_STACKTRACES": "1",
+             "AWS_SECRET_ACCESS_KEY": "planted", "PATH": "/usr/bin"}
+    assert allowed_env(shell) == {k: v for k, v in shell.items() if k != "AWS_SECRET_ACCESS_KEY"}
