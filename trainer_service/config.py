@@ -114,6 +114,12 @@ class TrainerConfig(BaseModel):
     fit in the free space above ``disk_reserve_bytes``."""
     disk_retry_s: float = Field(10.0, gt=0, le=3600)
     """Seconds between free-space checks while a checkpoint waits for space."""
+    drain_broker_wait_s: float = Field(10.0, ge=0.0, le=120.0)
+    """At a graceful stop the trainer waits up to 120 s for the version being published, but only this many
+    seconds once that version's announcement has been waiting for a broker that is away (seconds). When the
+    supervisor dies its broker goes down with the services, and the trainer would hold its memory for the
+    whole 120 s. Its weights file is written by then; the trainer state of that version may not be, and a
+    restarted trainer resumes from the last version that has both (as after a crash)."""
     seed: int = 0
     """Seed of torch and the trainer's RNG."""
     null_step: bool = False

@@ -53,6 +53,8 @@ from trainer_service.tracing import GroupTraces
 from trainer_service.trainer import PolicyTrainer
 
 log = logging.getLogger("trainer")
+DRAIN_TIMEOUT_S = 120.0
+"""Seconds a graceful stop waits for the version being published (:meth:`TrainLoop.drain`)."""
 
 
 def build_trainer(config: TrainerSettings) -> tuple[PolicyTrainer, CheckpointStore, set[str]]:
@@ -313,11 +315,33 @@ class TrainLoop:
             self.publishing.result()  # surface a failed save or send
         await self._commit()
 
-    async def drain(self) -> None:
-        """Wait (≤ 120 s) for the step being published, then commit."""
-        if self.publishing is not None:
-            await asyncio.wait_for(self.publishing, timeout=120)
-            await self._commit()
+    async def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        """Wait for the step being published, then commit: at most ``timeout_s`` seconds, and at most
+        ``trainer.drain_broker_wait_s`` after its announcement began waiting for a broker that is away
+        (:attr:`Publisher.broker_wait_since`).
+
+        Raises:
+            asyncio.TimeoutError: either bound passed; the publication was cancelled (its write thread, if
+                one runs, still keeps the update gate shut until it returns: :meth:`StepSnapshot.in_thread`).
+            Whatever the publication raised (a failed write).
+        """
+        if self.publishing is None:
+            return
+        publishing, grace = self.publishing, self.config.trainer.drain_broker_wait_s
+        deadline = time.monotonic() + timeout_s
+        while not publishing.done():
+            now, since = time.monotonic(), self.publisher.broker_wait_since
+            if now >= deadline or (since is not None and now - since >= grace):
+                why = (f"the broker has been away for {now - since:.0f} s" if since is not None and now < deadline
+                       else f"it took over {timeout_s:.0f} s")
+                log.warning("stopping without the announcement of the version being published: %s (its weights "
+                            "file is written; a restarted trainer resumes from the last version with its state)", why)
+                publishing.cancel()
+                await asyncio.wait({publishing})
+                raise asyncio.TimeoutError(why)
+            await asyncio.wait({publishing}, timeout=min(0.5, deadline - now))
+        publishing.result()
+        await self._commit()
 
     async def _intake(self) -> None:
         batch = await self.consumer.getmany(timeout_ms=200, max_records=1024)
@@ -527,6 +551,9 @@ class Publisher:
         """The level of the last ``run/disk_free`` alert sent (``ok``: none firing)."""
         self.disk_steady: DiskLevel = "ok"
         """The last non-critical level of a whole version's check (``ok`` or ``warning``)."""
+        self.broker_wait_since: float | None = None
+        """``time.monotonic()`` when the announcement in progress first failed for want of a broker; ``None``
+        while none waits (:meth:`TrainLoop.drain` gives such a wait ``trainer.drain_broker_wait_s`` at a stop)."""
 
     async def _announce(self, topic: str, record, key: str, on_wait: Callable[[], None] | None = None) -> None:
         """Send ``record`` and wait for its ack, retrying a broker error (:data:`shared.kafka.BROKER_ERRORS`)
@@ -535,21 +562,25 @@ class Publisher:
         version trained while the broker was away is announced on the broker that comes back. ``on_wait`` is
         called before the first back-off (:meth:`StepSnapshot.detach`)."""
         attempt = 0
-        while True:
-            producer = self.producer
-            try:
-                if producer is None:
-                    raise kafka.BrokerLost("no producer while the broker is away")
-                await (await kafka.send(producer, topic, record, key))
-                return
-            except (kafka.BrokerLost, *kafka.BROKER_ERRORS) as e:
-                if attempt == 0:
-                    log.warning("sending %s to %s failed (%r); retrying until the broker is back",
-                                type(record).__name__, topic, e)
-                    if on_wait is not None:
-                        on_wait()
-                await kafka.reconnect_pause(self.config.kafka, attempt)
-                attempt += 1
+        try:
+            while True:
+                producer = self.producer
+                try:
+                    if producer is None:
+                        raise kafka.BrokerLost("no producer while the broker is away")
+                    await (await kafka.send(producer, topic, record, key))
+                    return
+                except (kafka.BrokerLost, *kafka.BROKER_ERRORS) as e:
+                    if attempt == 0:
+                        log.warning("sending %s to %s failed (%r); retrying until the broker is back",
+                                    type(record).__name__, topic, e)
+                        self.broker_wait_since = time.monotonic()
+                        if on_wait is not None:
+                            on_wait()
+                    await kafka.reconnect_pause(self.config.kafka, attempt)
+                    attempt += 1
+        finally:
+            self.broker_wait_since = None
 
     async def publish(self, snap: StepSnapshot, previous: asyncio.Task | None) -> None:
         """Publish ``snap`` after ``previous`` (the previous version's publication) has finished.

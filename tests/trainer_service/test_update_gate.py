@@ -160,3 +160,70 @@ async def test_a_write_cancelled_before_it_started_does_not_keep_the_gate_shut()
     await asyncio.gather(*running)
     assert await asyncio.to_thread(gate.wait, 10), "a write that never ran kept the gate shut"
     assert not ran.is_set()
+
+
+async def test_a_stop_waits_for_an_absent_broker_only_drain_broker_wait_s(tmp_path):
+    """A graceful stop while the version's announcement waits for a broker that is gone (the supervisor died
+    and took the broker with it): the drain gives up ``trainer.drain_broker_wait_s`` after the wait began,
+    not after its whole 120 s bound, and not before; the weights file is written by then (real Publisher and
+    CheckpointStore, no producer: the broker is away)."""
+    import asyncio
+
+    from flywheel.config import load_config
+    from trainer_service.groups import GroupBuffer
+    from trainer_service.main import Publisher, StepSnapshot, TrainLoop
+
+    grace = 1.5
+    cfg = load_config(model={"name": "tiny"}, run={"dir": str(tmp_path / "run")},
+                      trainer={"disk_reserve_bytes": 0, "drain_broker_wait_s": grace})
+    store = CheckpointStore(tmp_path / "ckpt")
+    publisher = Publisher(cfg, store, GroupBuffer(1), producer=None)
+    loop = TrainLoop(cfg, None, GroupBuffer(1), None, None, publisher)
+    gate = threading.Event()
+    snap = StepSnapshot([], {"w": torch.ones(4)}, {"step": 1, "optimizer": None}, {}, 1, 1, gate)
+    loop.publishing = asyncio.create_task(publisher.publish(snap, None))
+    while publisher.broker_wait_since is None:  # the file is written; the announcement waits
+        assert not loop.publishing.done()
+        await asyncio.sleep(0.01)
+    t0 = time.monotonic()
+    with pytest.raises(asyncio.TimeoutError, match="broker"):
+        await loop.drain()
+    waited = time.monotonic() - t0
+    assert grace - 0.1 <= waited < grace + 5, waited
+    assert loop.publishing.cancelled() and publisher.broker_wait_since is None
+    assert store.version_dir(1).is_dir() and gate.is_set()
+
+
+async def test_a_stop_waits_for_a_slow_write_its_whole_bound(tmp_path, monkeypatch):
+    """No broker wait, a write that takes long: the drain's own bound applies (here shortened to 1 s), not
+    ``drain_broker_wait_s``."""
+    import asyncio
+
+    from flywheel.config import load_config
+    from trainer_service.groups import GroupBuffer
+    from trainer_service.main import Publisher, StepSnapshot, TrainLoop
+
+    cfg = load_config(model={"name": "tiny"}, run={"dir": str(tmp_path / "run")},
+                      trainer={"disk_reserve_bytes": 0, "drain_broker_wait_s": 0.0})
+    store = CheckpointStore(tmp_path / "ckpt")
+    entered, go = threading.Event(), threading.Event()
+    real = CheckpointStore.save_weights
+
+    def held(self, weights, *args, **kwargs):
+        entered.set()
+        go.wait(30)
+        return real(self, weights, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointStore, "save_weights", held)
+    publisher = Publisher(cfg, store, GroupBuffer(1), producer=None)
+    loop = TrainLoop(cfg, None, GroupBuffer(1), None, None, publisher)
+    snap = StepSnapshot([], {"w": torch.ones(4)}, {"step": 1, "optimizer": None}, {}, 1, 1, threading.Event())
+    loop.publishing = asyncio.create_task(publisher.publish(snap, None))
+    assert await asyncio.to_thread(entered.wait, 30)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(asyncio.TimeoutError, match="1 s"):
+            await loop.drain(timeout_s=1.0)
+        assert time.monotonic() - t0 >= 0.95
+    finally:
+        go.set()
