@@ -82,6 +82,22 @@ def test_detach_copies_the_live_tensors_and_opens_the_gate_once():
     assert not gate.is_set()  # neither opens the gate a second time
 
 
+
+def _hold_weight_writes(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """``CheckpointStore.save_weights`` waits (≤ 30 s) in its write thread until the second event is set; the
+    first is set when a write has entered."""
+    entered, go = threading.Event(), threading.Event()
+    real = CheckpointStore.save_weights
+
+    def held(self, weights, *args, **kwargs):
+        entered.set()
+        go.wait(30)
+        return real(self, weights, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointStore, "save_weights", held)
+    return entered, go
+
+
 async def test_a_cancelled_publication_opens_the_gate_only_when_its_write_returns(tmp_path, monkeypatch):
     """The trainer's drain at shutdown waits ≤ 120 s for a publication, then cancels it; the write thread goes
     on reading the live tensors. The gate must stay closed until that thread returns, or the next optimizer
@@ -95,15 +111,7 @@ async def test_a_cancelled_publication_opens_the_gate_only_when_its_write_return
     cfg = load_config(model={"name": "tiny"}, run={"dir": str(tmp_path / "run")},
                       trainer={"disk_reserve_bytes": 0})  # a nearly full disk must not take the waiting path
     store = CheckpointStore(tmp_path / "ckpt")
-    entered, go = threading.Event(), threading.Event()
-    real = CheckpointStore.save_weights
-
-    def held(self, weights, *args, **kwargs):
-        entered.set()
-        go.wait(30)
-        return real(self, weights, *args, **kwargs)
-
-    monkeypatch.setattr(CheckpointStore, "save_weights", held)
+    entered, go = _hold_weight_writes(monkeypatch)
     gate, w = threading.Event(), {"w": torch.ones(4)}
     snap = StepSnapshot([], w, {"step": 1, "optimizer": None}, {}, 1, 1, gate)
     publishing = asyncio.create_task(Publisher(cfg, store, GroupBuffer(1), producer=None).publish(snap, None))
@@ -206,15 +214,7 @@ async def test_a_stop_waits_for_a_slow_write_its_whole_bound(tmp_path, monkeypat
     cfg = load_config(model={"name": "tiny"}, run={"dir": str(tmp_path / "run")},
                       trainer={"disk_reserve_bytes": 0, "drain_broker_wait_s": 0.0})
     store = CheckpointStore(tmp_path / "ckpt")
-    entered, go = threading.Event(), threading.Event()
-    real = CheckpointStore.save_weights
-
-    def held(self, weights, *args, **kwargs):
-        entered.set()
-        go.wait(30)
-        return real(self, weights, *args, **kwargs)
-
-    monkeypatch.setattr(CheckpointStore, "save_weights", held)
+    entered, go = _hold_weight_writes(monkeypatch)
     publisher = Publisher(cfg, store, GroupBuffer(1), producer=None)
     loop = TrainLoop(cfg, None, GroupBuffer(1), None, None, publisher)
     snap = StepSnapshot([], {"w": torch.ones(4)}, {"step": 1, "optimizer": None}, {}, 1, 1, threading.Event())
