@@ -403,6 +403,12 @@ class BrokerWatch:
         """Whether the last probe got an answer."""
         return self._up.is_set()
 
+    def down_for(self) -> float | None:
+        """Seconds since the broker was seen unreachable; ``None`` while it answers (or before the first probe)."""
+        if self._up.is_set() or self._down_since is None:
+            return None
+        return time.monotonic() - self._down_since
+
     def start(self) -> None:
         """Start probing (on the running event loop)."""
         if self._task is None:

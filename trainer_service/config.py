@@ -115,11 +115,12 @@ class TrainerConfig(BaseModel):
     disk_retry_s: float = Field(10.0, gt=0, le=3600)
     """Seconds between free-space checks while a checkpoint waits for space."""
     drain_broker_wait_s: float = Field(10.0, ge=0.0, le=120.0)
-    """At a graceful stop the trainer waits up to 120 s for the version being published, but only this many
-    seconds once that version's announcement has been waiting for a broker that is away (seconds). When the
-    supervisor dies its broker goes down with the services, and the trainer would hold its memory for the
-    whole 120 s. Its weights file is written by then; the trainer state of that version may not be, and a
-    restarted trainer resumes from the last version that has both (as after a crash)."""
+    """At a graceful stop the trainer waits (≤ 120 s) for the version being published. Once the broker has
+    been away this many seconds (as its broker watch saw it), the version's announcements are abandoned: its
+    files are still written whole (weights, optimizer and trainer state), no offset is committed, and the next
+    start resumes at that version exactly and announces it. A stop during a broker outage abandons them at once.
+    When the supervisor dies its broker goes down with the services; before, the trainer held its memory for
+    the whole 120 s (seconds)."""
     seed: int = 0
     """Seed of torch and the trainer's RNG."""
     null_step: bool = False

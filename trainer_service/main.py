@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import torch
 from aiokafka import TopicPartition
@@ -146,6 +146,12 @@ async def run(config: TrainerSettings, stop: asyncio.Event | None = None) -> Non
                             "rebuilt", e)
                 await kafka.reconnect_pause(config.kafka, attempt, stop)
                 attempt = attempt + 1 if watch.up else 0
+        loop = held.get("loop")
+        if loop is not None and loop.publishing is not None and not loop.publishing.done():
+            # stopped during a broker outage (the supervisor's death takes the broker down with the services):
+            # no client is left to announce on; write the version whole, the next start announces it
+            publisher.abandon()
+            await loop.drain()
     except asyncio.CancelledError:
         raise
     finally:
@@ -208,7 +214,7 @@ async def _session(config: TrainerSettings, watch: kafka.BrokerWatch, trainer: P
             watch.check(epoch)
             await loop.turn()
         if loop.publishing is not None:
-            await loop.drain()  # graceful stop: finish announcing what was trained, on these clients
+            await loop.drain(watch.down_for)  # graceful stop: finish announcing what was trained, on these clients
             loop.publishing = None
         return loop
     finally:
@@ -315,33 +321,49 @@ class TrainLoop:
             self.publishing.result()  # surface a failed save or send
         await self._commit()
 
-    async def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
-        """Wait for the step being published, then commit: at most ``timeout_s`` seconds, and at most
-        ``trainer.drain_broker_wait_s`` after its announcement began waiting for a broker that is away
-        (:attr:`Publisher.broker_wait_since`).
+    async def drain(self, broker_down_s: Callable[[], float | None] = lambda: None,
+                    timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        """At a graceful stop: wait for the version being published, then commit.
+
+        Once the broker has been away for ``trainer.drain_broker_wait_s`` (``broker_down_s()``: seconds it has
+        been unreachable, ``None`` while it answers; :meth:`shared.kafka.BrokerWatch.down_for`), the
+        publisher abandons the announcements it waits on (:meth:`Publisher.abandon`): the version's files are
+        still all written, so a restarted trainer resumes at it exactly and announces it then; no offset is
+        committed (the trained groups' ids are in the trainer state). At ``timeout_s`` seconds the publication
+        is cancelled.
 
         Raises:
-            asyncio.TimeoutError: either bound passed; the publication was cancelled (its write thread, if
-                one runs, still keeps the update gate shut until it returns: :meth:`StepSnapshot.in_thread`).
+            asyncio.TimeoutError: ``timeout_s`` passed; the publication was cancelled (a write thread that
+                still runs keeps the update gate shut until it returns: :meth:`StepSnapshot.in_thread`).
             Whatever the publication raised (a failed write).
         """
         if self.publishing is None:
             return
         publishing, grace = self.publishing, self.config.trainer.drain_broker_wait_s
         deadline = time.monotonic() + timeout_s
-        while not publishing.done():
-            now, since = time.monotonic(), self.publisher.broker_wait_since
-            if now >= deadline or (since is not None and now - since >= grace):
-                why = (f"the broker has been away for {now - since:.0f} s" if since is not None and now < deadline
-                       else f"it took over {timeout_s:.0f} s")
-                log.warning("stopping without the announcement of the version being published: %s (its weights "
-                            "file is written; a restarted trainer resumes from the last version with its state)", why)
-                publishing.cancel()
-                await asyncio.wait({publishing})
-                raise asyncio.TimeoutError(why)
-            await asyncio.wait({publishing}, timeout=min(0.5, deadline - now))
+        try:
+            while not publishing.done():
+                now, down = time.monotonic(), broker_down_s()
+                if now >= deadline:
+                    log.warning("stopping before the version being published was written and announced: it took "
+                                "over %.0f s", timeout_s)
+                    publishing.cancel()
+                    await asyncio.wait({publishing})
+                    if not publishing.cancelled():
+                        publishing.result()  # it ended meanwhile: its result or its error
+                        break
+                    raise asyncio.TimeoutError(f"the publication took over {timeout_s:.0f} s")
+                if down is not None and down >= grace and not self.publisher.abandoned:
+                    log.warning("stopping with the broker away for %.0f s: the version being published is written "
+                                "without its announcements (a restarted trainer announces it)", down)
+                    self.publisher.abandon()
+                await asyncio.wait({publishing}, timeout=min(0.5, deadline - now))
+        except asyncio.CancelledError:
+            publishing.cancel()
+            raise
         publishing.result()
-        await self._commit()
+        if not self.publisher.abandoned:
+            await self._commit()
 
     async def _intake(self) -> None:
         batch = await self.consumer.getmany(timeout_ms=200, max_records=1024)
@@ -454,6 +476,11 @@ WRITERS = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefi
 """The threads that write (and broadcast) published versions from the live tensors (:meth:`StepSnapshot.in_thread`)."""
 
 
+class AnnouncementAbandoned(Exception):
+    """An announcement given up because the trainer is stopping and the broker is away
+    (:meth:`Publisher.abandon`)."""
+
+
 @dataclass
 class StepSnapshot:
     """What one optimizer step leaves to publish: copied before the next step changes the model."""
@@ -551,9 +578,7 @@ class Publisher:
         """The level of the last ``run/disk_free`` alert sent (``ok``: none firing)."""
         self.disk_steady: DiskLevel = "ok"
         """The last non-critical level of a whole version's check (``ok`` or ``warning``)."""
-        self.broker_wait_since: float | None = None
-        """``time.monotonic()`` when the announcement in progress first failed for want of a broker; ``None``
-        while none waits (:meth:`TrainLoop.drain` gives such a wait ``trainer.drain_broker_wait_s`` at a stop)."""
+        self._abandon = asyncio.Event()
 
     async def _announce(self, topic: str, record, key: str, on_wait: Callable[[], None] | None = None) -> None:
         """Send ``record`` and wait for its ack, retrying a broker error (:data:`shared.kafka.BROKER_ERRORS`)
@@ -562,25 +587,52 @@ class Publisher:
         version trained while the broker was away is announced on the broker that comes back. ``on_wait`` is
         called before the first back-off (:meth:`StepSnapshot.detach`)."""
         attempt = 0
+        while True:
+            producer = self.producer
+            try:
+                if producer is None:
+                    raise kafka.BrokerLost("no producer while the broker is away")
+                await self._unless_abandoned(_send_and_wait(producer, topic, record, key))
+                return
+            except (kafka.BrokerLost, *kafka.BROKER_ERRORS) as e:
+                if attempt == 0:
+                    log.warning("sending %s to %s failed (%r); retrying until the broker is back",
+                                type(record).__name__, topic, e)
+                    if on_wait is not None:
+                        on_wait()
+                await self._unless_abandoned(kafka.reconnect_pause(self.config.kafka, attempt))
+                attempt += 1
+
+    def abandon(self) -> None:
+        """Give up every announcement now waiting or still to come (:class:`AnnouncementAbandoned`): the
+        trainer is stopping and the broker is away. Writes go on. One-way."""
+        self._abandon.set()
+
+    @property
+    def abandoned(self) -> bool:
+        """Whether :meth:`abandon` was called."""
+        return self._abandon.is_set()
+
+    async def _unless_abandoned(self, aw: Awaitable) -> None:
+        """Await ``aw``, unless the announcements are abandoned first (then cancel it).
+
+        Raises:
+            AnnouncementAbandoned: :meth:`abandon` was called before ``aw`` finished.
+        """
+        task = asyncio.ensure_future(aw)
+        gave_up = asyncio.ensure_future(self._abandon.wait())
         try:
-            while True:
-                producer = self.producer
-                try:
-                    if producer is None:
-                        raise kafka.BrokerLost("no producer while the broker is away")
-                    await (await kafka.send(producer, topic, record, key))
-                    return
-                except (kafka.BrokerLost, *kafka.BROKER_ERRORS) as e:
-                    if attempt == 0:
-                        log.warning("sending %s to %s failed (%r); retrying until the broker is back",
-                                    type(record).__name__, topic, e)
-                        self.broker_wait_since = time.monotonic()
-                        if on_wait is not None:
-                            on_wait()
-                    await kafka.reconnect_pause(self.config.kafka, attempt)
-                    attempt += 1
+            await asyncio.wait({task, gave_up}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled from outside: take the send or the pause along
+            task.cancel()
+            raise
         finally:
-            self.broker_wait_since = None
+            gave_up.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise AnnouncementAbandoned("the trainer is stopping with the broker away")
+        task.result()
 
     async def publish(self, snap: StepSnapshot, previous: asyncio.Task | None) -> None:
         """Publish ``snap`` after ``previous`` (the previous version's publication) has finished.
@@ -594,7 +646,10 @@ class Publisher:
             if previous is not None:
                 await previous  # versions become durable and are announced in order
             if self.config.trainer.null_step:
-                await self._publish_null(snap)
+                try:
+                    await self._publish_null(snap)
+                except AnnouncementAbandoned:
+                    log.warning("null step %d is not announced: the trainer stops with the broker away", snap.step)
                 return
             await self._publish(snap)
         finally:
@@ -615,7 +670,12 @@ class Publisher:
         if receivers:  # the file stays the fallback for anyone outside the session or whose session fails
             await snap.in_thread(lambda: broadcaster.prepare(snap.version, receivers, snap.weights))
             update = update.model_copy(update={"transport": "distributed", "receivers": receivers})
-        await self._announce(topics.WEIGHTS, update, update.model, on_wait=snap.detach)
+        try:
+            await self._announce(topics.WEIGHTS, update, update.model, on_wait=snap.detach)
+        except AnnouncementAbandoned:  # stopping, broker away: write the rest; the next start announces it
+            log.warning("policy version %d is written but not announced: the trainer stops with the broker away",
+                        snap.version)
+            receivers = []
         metrics["time/publish_s"] = time.perf_counter() - t0  # step end → version announced, less the snapshot
         if receivers:
             res = await snap.in_thread(lambda: broadcaster.broadcast(snap.version, snap.weights, receivers))
@@ -629,12 +689,14 @@ class Publisher:
         self.buffer.mark_trained(snap.groups)  # their offsets may be committed only now
         self.metrics.published(snap.groups, snap.version, metrics)
         rec = Metrics(source="trainer", step=snap.step, policy_version=snap.version, values=metrics)
-        await self._announce(topics.METRICS, rec, "trainer")
         # then one record per domain trained (same key: they follow the run-wide record in its partition)
         per_domain = [Metrics(source="trainer", step=snap.step, policy_version=snap.version, domain=d, values=v)
                       for d, v in domain_metrics(snap.groups, snap.version).items()]
-        for m in per_domain:
-            await self._announce(topics.METRICS, m, "trainer")
+        try:
+            for m in [rec, *per_domain]:
+                await self._announce(topics.METRICS, m, "trainer")
+        except AnnouncementAbandoned:
+            log.warning("step %d's metrics are not sent: the trainer stops with the broker away", snap.step)
         log.info("step %d -> policy version %d: reward %.3f loss %.4f (%.1f s train, %.1f s to announce, %.1f s to "
                  "checkpoint, %.1f s waited)", snap.step, snap.version, metrics["train/reward_mean"],
                  metrics["loss/pg"], metrics["time/train_step_s"], metrics["time/publish_s"],

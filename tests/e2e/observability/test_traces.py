@@ -64,7 +64,7 @@ def _whole(spans: list[dict], trained: bool) -> bool:
     ids = {s["span_id"] for s in spans}
     k = next((s["attributes"].get("n", 0) for s in spans if s["name"] == "issue_group"), 0)  # the group's size
     samples = {s["attributes"].get("sample_index") for s in spans if s["name"] == "verify"}
-    return (k > 0 and len(samples) >= k and sum(s["name"] == "sandbox.execute" for s in spans) >= k
+    return (k > 0 and set(range(k)) <= samples and sum(s["name"] == "sandbox.execute" for s in spans) >= k
             and all(s["parent_id"] is None or s["parent_id"] in ids for s in spans)
             and (not trained or any(s["name"] == "train_group" and s["attributes"].get("outcome") == "trained"
                                     for s in spans)))
@@ -74,7 +74,7 @@ def test_a_code_groups_trace_spans_all_five_services_as_one_tree(observed):
     store = SpanStore(observed.run_dir / "traces.sqlite")
     summary = _find(store, lambda g: g["domain"] == "code" and g["purpose"] == "train" and FIVE <= set(g["services"])
                     and _whole(store.trace(g["trace_id"]), trained=True))
-    spans = store.group_trace(summary["group_id"])
+    spans = store.trace(summary["trace_id"])  # the trace found whole (a re-issue starts another)
     gid = summary["group_id"]
     assert {s["service"] for s in spans} == FIVE
     root = _assert_one_tree(spans)
@@ -109,7 +109,7 @@ def test_an_eval_groups_trace_is_one_tree_through_the_sandbox(observed):
     summary = _find(store, lambda g: g["domain"] == "code" and g["purpose"] == "eval"
                     and {"scheduler", "rollout", "verifier", "sandbox"} <= set(g["services"])
                     and _whole(store.trace(g["trace_id"]), trained=False))
-    spans = store.group_trace(summary["group_id"])
+    spans = store.trace(summary["trace_id"])  # the trace found whole (a re-issue starts another)
     root = _assert_one_tree(spans)
     assert root["attributes"]["purpose"] == "eval" and "eval_round" in root["attributes"]
     assert "trainer" not in {s["service"] for s in spans}  # eval samples are never trained
