@@ -115,12 +115,13 @@ class TrainerConfig(BaseModel):
     disk_retry_s: float = Field(10.0, gt=0, le=3600)
     """Seconds between free-space checks while a checkpoint waits for space."""
     drain_broker_wait_s: float = Field(10.0, ge=0.0, le=120.0)
-    """At a graceful stop the trainer waits (≤ 120 s) for the version being published. Once the broker has
-    been away this many seconds (as its broker watch saw it), the version's announcements are abandoned: its
-    files are still written whole (weights, optimizer and trainer state), no offset is committed, and the next
-    start resumes at that version exactly and announces it. A stop during a broker outage abandons them at once.
-    When the supervisor dies its broker goes down with the services; before, the trainer held its memory for
-    the whole 120 s (seconds)."""
+    """Seconds a graceful stop waits for a broker that is away (as the broker watch saw it) before it gives up
+    the announcements of the version being published. The trainer waits up to 120 s for that version; when
+    the broker is gone (the supervisor's death takes it down with the services) it waited all of them. Given
+    up, the version's files are still written whole (weights, optimizer and trainer state), no offset is
+    committed, and the next start resumes at that version exactly and announces its weights (that step's
+    metrics records are not sent). A stop between two broker sessions (during an outage) gives them up at
+    once. With ``null_step`` nothing is written, so nothing is resumed either."""
     seed: int = 0
     """Seed of torch and the trainer's RNG."""
     null_step: bool = False

@@ -147,11 +147,15 @@ async def run(config: TrainerSettings, stop: asyncio.Event | None = None) -> Non
                 await kafka.reconnect_pause(config.kafka, attempt, stop)
                 attempt = attempt + 1 if watch.up else 0
         loop = held.get("loop")
-        if loop is not None and loop.publishing is not None and not loop.publishing.done():
-            # stopped during a broker outage (the supervisor's death takes the broker down with the services):
-            # no client is left to announce on; write the version whole, the next start announces it
+        if loop is not None and loop.publishing is not None:
+            # stopped between two sessions (a broker outage: the supervisor's death takes the broker down with
+            # the services): no client is left to announce on; write the version whole, the next start
+            # announces it. A publication that failed meanwhile raises its error here.
             publisher.abandon()
-            await loop.drain()
+            try:
+                await loop.drain()
+            except asyncio.TimeoutError as e:
+                log.warning("stopped without the version being published: %s", e)
     except asyncio.CancelledError:
         raise
     finally:
@@ -328,9 +332,9 @@ class TrainLoop:
         Once the broker has been away for ``trainer.drain_broker_wait_s`` (``broker_down_s()``: seconds it has
         been unreachable, ``None`` while it answers; :meth:`shared.kafka.BrokerWatch.down_for`), the
         publisher abandons the announcements it waits on (:meth:`Publisher.abandon`): the version's files are
-        still all written, so a restarted trainer resumes at it exactly and announces it then; no offset is
-        committed (the trained groups' ids are in the trainer state). At ``timeout_s`` seconds the publication
-        is cancelled.
+        still all written (within ``timeout_s``), so a restarted trainer resumes at it exactly and announces
+        its weights then (the step's metrics records are not sent); no offset is committed (the trained
+        groups' ids are in the trainer state). At ``timeout_s`` seconds the publication is cancelled.
 
         Raises:
             asyncio.TimeoutError: ``timeout_s`` passed; the publication was cancelled (a write thread that
@@ -361,6 +365,8 @@ class TrainLoop:
         except asyncio.CancelledError:
             publishing.cancel()
             raise
+        if publishing.cancelled():  # by an earlier drain's bound: nothing more to wait for, nothing to commit
+            return
         publishing.result()
         if not self.publisher.abandoned:
             await self._commit()
@@ -582,10 +588,15 @@ class Publisher:
 
     async def _announce(self, topic: str, record, key: str, on_wait: Callable[[], None] | None = None) -> None:
         """Send ``record`` and wait for its ack, retrying a broker error (:data:`shared.kafka.BROKER_ERRORS`)
-        with the ``kafka.reconnect_backoff_ms`` back-off until it is acknowledged. :attr:`producer` is read
-        again on every attempt: the service replaces it after a broker outage (``None`` meanwhile), so a
-        version trained while the broker was away is announced on the broker that comes back. ``on_wait`` is
-        called before the first back-off (:meth:`StepSnapshot.detach`)."""
+        with the ``kafka.reconnect_backoff_ms`` back-off until it is acknowledged or :meth:`abandon` is
+        called. :attr:`producer` is read again on every attempt: the service replaces it after a broker outage
+        (``None`` meanwhile), so a version trained while the broker was away is announced on the broker that
+        comes back. ``on_wait`` is called before the first back-off (:meth:`StepSnapshot.detach`).
+
+        Raises:
+            AnnouncementAbandoned: :meth:`abandon` was called first (a record already handed to the producer
+                may still be delivered).
+        """
         attempt = 0
         while True:
             producer = self.producer
@@ -620,6 +631,7 @@ class Publisher:
             AnnouncementAbandoned: :meth:`abandon` was called before ``aw`` finished.
         """
         task = asyncio.ensure_future(aw)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # an error nobody awaits is not logged
         gave_up = asyncio.ensure_future(self._abandon.wait())
         try:
             await asyncio.wait({task, gave_up}, return_when=asyncio.FIRST_COMPLETED)
@@ -637,7 +649,8 @@ class Publisher:
     async def publish(self, snap: StepSnapshot, previous: asyncio.Task | None) -> None:
         """Publish ``snap`` after ``previous`` (the previous version's publication) has finished.
 
-        Announcements wait out a broker outage (:meth:`_announce`).
+        Announcements wait out a broker outage (:meth:`_announce`), until :meth:`abandon`: then the version
+        is still written whole and its announcements (weights record, metrics records) are given up.
 
         Raises:
             OSError: the checkpoint could not be written.
@@ -649,7 +662,8 @@ class Publisher:
                 try:
                     await self._publish_null(snap)
                 except AnnouncementAbandoned:
-                    log.warning("null step %d is not announced: the trainer stops with the broker away", snap.step)
+                    log.warning("null step %d's announcements are given up: the trainer stops with the broker away",
+                                snap.step)
                 return
             await self._publish(snap)
         finally:

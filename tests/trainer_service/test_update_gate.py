@@ -169,6 +169,7 @@ async def test_a_write_cancelled_before_it_started_does_not_keep_the_gate_shut()
     assert not ran.is_set()
 
 
+@pytest.mark.kafka
 async def test_a_stop_with_the_broker_gone_writes_the_version_whole_and_gives_up_its_announcement(tmp_path):
     """The supervisor died and took the broker with it while a version is being published: the stop waits
     ``trainer.drain_broker_wait_s`` from the broker watch's first sight of the loss (not the drain's 120 s, and
@@ -194,13 +195,16 @@ async def test_a_stop_with_the_broker_gone_writes_the_version_whole_and_gives_up
         watch = kafka.BrokerWatch(cfg.kafka, "test")
         assert await asyncio.wait_for(watch.wait_up(), 30)
         store = CheckpointStore(tmp_path / "ckpt")
-        publisher = Publisher(cfg, store, GroupBuffer(1), producer=producer)
-        loop = TrainLoop(cfg, None, GroupBuffer(1), None, producer, publisher)
+        buffer = GroupBuffer(1)
+        publisher = Publisher(cfg, store, buffer, producer=producer)
+        loop = TrainLoop(cfg, None, buffer, None, producer, publisher)  # no consumer: a commit would raise
         gate = threading.Event()
         logged = {k: 0.0 for k in ("train/reward_mean", "loss/pg", "time/train_step_s", "time/wait_for_data_s")}
         snap = StepSnapshot([], {"w": torch.ones(4)}, {"step": 1, "optimizer": None}, logged, 1, 1, gate)
         broker.stop()
-        while watch.down_for() is None:
+        deadline = time.monotonic() + 30
+        while watch.down_for() is None:  # the watch has seen the broker go
+            assert time.monotonic() < deadline, "the broker watch did not see the broker stop"
             await asyncio.sleep(0.01)
         loop.publishing = asyncio.create_task(publisher.publish(snap, None))
         await asyncio.wait_for(loop.drain(watch.down_for), 60)  # abandoned, not failed: no error
