@@ -27,7 +27,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Iterable, Sequence, TypeVar
 
@@ -434,17 +434,7 @@ class BrokerWatch:
         """Await ``aw``; if the broker goes away first, cancel it and raise :class:`BrokerLost` (an ack that
         would otherwise wait ``kafka.request_timeout_ms`` for a dead broker)."""
         self.check(epoch)
-        task = asyncio.ensure_future(aw)
-        lost = asyncio.ensure_future(self._down.wait())
-        try:
-            await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            lost.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise BrokerLost(f"broker {self.cfg.bootstrap_servers} went away")
-        return task.result()
+        return await unless_set(aw, self._down, lambda: BrokerLost(f"broker {self.cfg.bootstrap_servers} went away"))
 
     async def wait_up(self, stop: asyncio.Event | None = None) -> bool:
         """Wait until the broker answers (or ``stop`` is set); returns whether it is up."""
@@ -533,6 +523,30 @@ class BrokerWatch:
                 self._lost(repr(e))
                 await asyncio.sleep(backoff / 1000)
                 backoff = min(2 * backoff, cfg.reconnect_backoff_max_ms)
+
+
+async def unless_set(aw: Awaitable, event: asyncio.Event, error: Callable[[], BaseException]):
+    """Await ``aw`` and return its result, unless ``event`` is set first: then cancel it and raise ``error()``.
+    Cancelled from outside, ``aw`` is cancelled too.
+
+    Raises:
+        ``error()``: ``event`` was set before ``aw`` finished.
+    """
+    task = asyncio.ensure_future(aw)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # an error nobody awaits is not logged
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        waiter.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise error()
+    return task.result()
 
 
 async def reconnect_pause(cfg: KafkaConfig, attempt: int, stop: asyncio.Event | None = None) -> None:

@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 import torch
 from aiokafka import TopicPartition
@@ -353,10 +353,9 @@ class TrainLoop:
                                 "over %.0f s", timeout_s)
                     publishing.cancel()
                     await asyncio.wait({publishing})
-                    if not publishing.cancelled():
-                        publishing.result()  # it ended meanwhile: its result or its error
-                        break
-                    raise asyncio.TimeoutError(f"the publication took over {timeout_s:.0f} s")
+                    if publishing.cancelled():
+                        raise asyncio.TimeoutError(f"the publication took over {timeout_s:.0f} s")
+                    break  # it ended meanwhile: its result or its error below
                 if down is not None and down >= grace and not self.publisher.abandoned:
                     log.warning("stopping with the broker away for %.0f s: the version being published is written "
                                 "without its announcements (a restarted trainer announces it)", down)
@@ -486,6 +485,9 @@ class AnnouncementAbandoned(Exception):
     """An announcement given up because the trainer is stopping and the broker is away
     (:meth:`Publisher.abandon`)."""
 
+    def __init__(self, msg: str = "the trainer is stopping with the broker away") -> None:
+        super().__init__(msg)
+
 
 @dataclass
 class StepSnapshot:
@@ -599,11 +601,14 @@ class Publisher:
         """
         attempt = 0
         while True:
+            if self._abandon.is_set():
+                raise AnnouncementAbandoned()
             producer = self.producer
             try:
                 if producer is None:
                     raise kafka.BrokerLost("no producer while the broker is away")
-                await self._unless_abandoned(_send_and_wait(producer, topic, record, key))
+                await kafka.unless_set(_send_and_wait(producer, topic, record, key), self._abandon,
+                                       AnnouncementAbandoned)
                 return
             except (kafka.BrokerLost, *kafka.BROKER_ERRORS) as e:
                 if attempt == 0:
@@ -611,7 +616,7 @@ class Publisher:
                                 type(record).__name__, topic, e)
                     if on_wait is not None:
                         on_wait()
-                await self._unless_abandoned(kafka.reconnect_pause(self.config.kafka, attempt))
+                await kafka.reconnect_pause(self.config.kafka, attempt, self._abandon)  # ends early at abandon()
                 attempt += 1
 
     def abandon(self) -> None:
@@ -623,28 +628,6 @@ class Publisher:
     def abandoned(self) -> bool:
         """Whether :meth:`abandon` was called."""
         return self._abandon.is_set()
-
-    async def _unless_abandoned(self, aw: Awaitable) -> None:
-        """Await ``aw``, unless the announcements are abandoned first (then cancel it).
-
-        Raises:
-            AnnouncementAbandoned: :meth:`abandon` was called before ``aw`` finished.
-        """
-        task = asyncio.ensure_future(aw)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # an error nobody awaits is not logged
-        gave_up = asyncio.ensure_future(self._abandon.wait())
-        try:
-            await asyncio.wait({task, gave_up}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # cancelled from outside: take the send or the pause along
-            task.cancel()
-            raise
-        finally:
-            gave_up.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise AnnouncementAbandoned("the trainer is stopping with the broker away")
-        task.result()
 
     async def publish(self, snap: StepSnapshot, previous: asyncio.Task | None) -> None:
         """Publish ``snap`` after ``previous`` (the previous version's publication) has finished.

@@ -197,7 +197,7 @@ async def test_a_stop_with_the_broker_gone_writes_the_version_whole_and_gives_up
         store = CheckpointStore(tmp_path / "ckpt")
         buffer = GroupBuffer(1)
         publisher = Publisher(cfg, store, buffer, producer=producer)
-        loop = TrainLoop(cfg, None, buffer, None, producer, publisher)  # no consumer: a commit would raise
+        loop = TrainLoop(cfg, None, buffer, None, producer, publisher)  # no consumer: nothing to read
         gate = threading.Event()
         logged = {k: 0.0 for k in ("train/reward_mean", "loss/pg", "time/train_step_s", "time/wait_for_data_s")}
         snap = StepSnapshot([], {"w": torch.ones(4)}, {"step": 1, "optimizer": None}, logged, 1, 1, gate)
