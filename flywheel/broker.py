@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -77,8 +78,56 @@ def tansu_binary() -> Path:
     return path
 
 
+#: The lowest port :func:`free_port` hands out.
+FREE_PORT_MIN = 10000
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+_port_rng = random.Random()  # its own generator: a test that seeds ``random`` does not make picks repeat
+_handed_out: set[int] = set()
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for the local port of an outgoing connection, ``(low, high)`` inclusive
+    (``net.ipv4.ip_local_port_range``; Linux's default ``(32768, 60999)`` where the file is missing)."""
+    try:
+        with open(_EPHEMERAL_RANGE) as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could bind TCP ``host:port`` now. Binds with ``SO_REUSEADDR``, as uvicorn, Python's
+    ``http.server`` and Tokio's listeners do: a port held only by ``TIME_WAIT`` sockets counts as free, one
+    held by a listener or by a connection's local end does not."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``."""
+    """A TCP port that was free a moment ago on ``host``, for a server that binds it later.
+
+    The port is drawn below the kernel's ephemeral range (:func:`ephemeral_port_range`), from
+    :data:`FREE_PORT_MIN` up. A port from that range (what binding port 0 gives) can be taken, between the pick
+    and the server's bind, by the local end of any outgoing connection, a Kafka client's for one, and it stays
+    taken while that connection lives: a service bound to it would crash on ``EADDRINUSE`` at every restart.
+    Ports below the range are never given to outgoing connections. The same process is not handed the same
+    port twice (up to 4,096 picks). Where the range starts too low to leave room, the kernel picks (port 0).
+    """
+    low, _ = ephemeral_port_range()
+    if low - FREE_PORT_MIN >= 1024:
+        if len(_handed_out) >= 4096:
+            _handed_out.clear()
+        for _ in range(256):
+            port = _port_rng.randrange(FREE_PORT_MIN, low)
+            if port not in _handed_out and port_is_free(port, host):
+                _handed_out.add(port)
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

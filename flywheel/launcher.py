@@ -38,7 +38,8 @@ from typing import Mapping
 import httpx
 import orjson
 
-from flywheel.broker import EmbeddedBroker, broker_env, die_with_parent, free_port, open_private_log, stop_pid
+from flywheel.broker import (EmbeddedBroker, broker_env, die_with_parent, free_port, open_private_log, port_is_free,
+                             stop_pid)
 from shared.auth import auth_headers, ensure_token_file, write_private
 from shared.config import KafkaConfig, RunConfig, read_yaml
 
@@ -229,7 +230,7 @@ class LocalSystem:
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     metrics_ports: dict[str, int] = field(default_factory=dict)
     """The metrics port given to each of :data:`METRICS_PORT_SERVICES` (``FLYWHEEL_TELEMETRY__METRICS_PORT``),
-    kept over restarts."""
+    kept over restarts unless another process holds it then (:meth:`_reclaim_metrics_port`)."""
     token: str | None = None
     """The system's bearer token (``<run dir>/auth_token``), for callers of the mutating routes."""
     judge_key_env: str = DEFAULT_JUDGE_KEY_ENV
@@ -361,7 +362,7 @@ class LocalSystem:
         env = dict(self.env)
         if name in TORCH_SERVICES:
             env.update(self.torch_env)
-        if name in self.metrics_ports:  # the same port on every restart: a scraper keeps its target
+        if name in self.metrics_ports:  # the same port on every restart (if free): a scraper keeps its target
             env["FLYWHEEL_TELEMETRY__METRICS_PORT"] = str(self.metrics_ports[name])
         if name == "verifier" and self.judge_key_env in os.environ and self.judge_key_env not in env:
             env[self.judge_key_env] = os.environ[self.judge_key_env]
@@ -427,12 +428,25 @@ class LocalSystem:
                 notes.append(self._on_death(sp, now))
         for name, sp in list(self.services.items()):  # respawns that are due, in start order
             if sp.restart_at is not None and time.monotonic() >= sp.restart_at:
+                notes += self._reclaim_metrics_port(name)
                 self._spawn(name)
                 notes.append(f"restarted {name} (pid {self.services[name].process.pid})")
         notes += self._notify_scheduler()
         if notes:
             self.write_state()
         return notes
+
+    def _reclaim_metrics_port(self, name: str) -> list[str]:
+        """Before service ``name`` is respawned: keep its metrics port if a server could bind it now, else give
+        it a new one (:func:`free_port`; ``flywheel.json`` gets the new URL). Another process can hold the port
+        (the local end of a connection) and would otherwise crash the service at every restart. Returns a
+        note when the port changed."""
+        port = self.metrics_ports.get(name)
+        if port is None or port_is_free(port):
+            return []
+        self.metrics_ports[name] = new = free_port()
+        log.warning("%s's metrics port %d is taken by another process: it gets %d", name, port, new)
+        return [f"{name}'s metrics port {port} was taken: now {new}"]
 
     def _window(self, crashes: collections.deque, now: float) -> int:
         """Drop deaths older than the window; the number left."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -200,3 +201,82 @@ def test_the_services_environment_passes_torch_knobs_and_nothing_else():
     shell = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "DNNL_VERBOSE": "0", "TORCH_SHOW_CPP_STACKTRACES": "1",
              "AWS_SECRET_ACCESS_KEY": "planted", "PATH": "/usr/bin"}
     assert allowed_env(shell) == {k: v for k, v in shell.items() if k != "AWS_SECRET_ACCESS_KEY"}
+
+
+#: A "service" that serves on its metrics port the way the real ones do (``SO_REUSEADDR``), or exits 2 when it
+#: cannot bind it.
+METRICS_SERVER = _py(
+    "import os, socket, sys, time\n"
+    "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    "port = int(os.environ['FLYWHEEL_TELEMETRY__METRICS_PORT'])\n"
+    "try:\n    s.bind(('127.0.0.1', port))\n"
+    "except OSError as e:\n    print('cannot bind', port, e, flush=True); sys.exit(2)\n"
+    "s.listen(); print('serving on', port, flush=True); time.sleep(120)\n")
+
+
+def _metrics_system(tmp_path: Path) -> LocalSystem:
+    (tmp_path / "logs").mkdir(parents=True, exist_ok=True)
+    env = {"PATH": os.environ.get("PATH", ""), "FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS": "127.0.0.1:1"}
+    dead = f"http://127.0.0.1:{free_port()}"
+    system = LocalSystem(tmp_path, env, None, dead, dead, commands={"rollout": METRICS_SERVER},
+                         policy=RestartPolicy(max_restarts=2, backoff_initial_s=0.05, backoff_max_s=0.05),
+                         metrics_ports={"rollout": free_port()})
+    system._spawn("rollout")
+    return system
+
+
+def _restart_after_kill(system: LocalSystem, hold=None) -> list[str]:
+    port = system.metrics_ports["rollout"]
+    _until(system, lambda n: f"serving on {port}" in system.services["rollout"].tail(), timeout_s=20)
+    os.kill(system.services["rollout"].process.pid, signal.SIGKILL)
+    system.services["rollout"].process.wait()
+    if hold is not None:
+        hold(port)
+    notes = _until(system, lambda n: any(x.startswith("restarted rollout") for x in n), timeout_s=20)
+    new = system.metrics_ports["rollout"]
+    _until(system, lambda n: f"serving on {new}" in system.services["rollout"].tail(), timeout_s=20)
+    return notes
+
+
+def test_a_restarted_service_keeps_its_metrics_port_while_it_is_free(tmp_path):
+    system = _metrics_system(tmp_path)
+    port = system.metrics_ports["rollout"]
+    try:
+        notes = _restart_after_kill(system)
+    finally:
+        system.stop()
+    assert system.metrics_ports["rollout"] == port
+    assert not any("metrics port" in n for n in notes), notes
+
+
+def test_a_metrics_port_taken_by_a_connection_while_the_service_was_down_is_replaced_and_reported(tmp_path):
+    """The port's new holder is the local end of a connection, as an outgoing Kafka connection's would be: the
+    service, which binds with SO_REUSEADDR, still cannot bind it. The restart gets a fresh port (not a crash loop)
+    and ``flywheel.json`` names it."""
+    import orjson
+
+    held: list = []
+
+    def hold(port: int) -> None:
+        server = socket.socket()
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        client = socket.socket()
+        client.bind(("127.0.0.1", port))
+        client.connect(server.getsockname())
+        held.extend([server, client, server.accept()[0]])
+
+    system = _metrics_system(tmp_path)
+    port = system.metrics_ports["rollout"]
+    try:
+        notes = _restart_after_kill(system, hold)
+        assert system.services["rollout"].process.poll() is None  # serving, not crash-looping
+        state = orjson.loads((tmp_path / "flywheel.json").read_bytes())  # removed by stop()
+    finally:
+        system.stop()
+        for s in held:
+            s.close()
+    new = system.metrics_ports["rollout"]
+    assert new != port
+    assert f"rollout's metrics port {port} was taken: now {new}" in notes
+    assert state["metrics_urls"]["rollout"] == f"http://127.0.0.1:{new}/metrics"
