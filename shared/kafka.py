@@ -432,8 +432,14 @@ class BrokerWatch:
 
     async def guard(self, aw: Awaitable, epoch: int):
         """Await ``aw``; if the broker goes away first, cancel it and raise :class:`BrokerLost` (an ack that
-        would otherwise wait ``kafka.request_timeout_ms`` for a dead broker)."""
-        self.check(epoch)
+        would otherwise wait ``kafka.request_timeout_ms`` for a dead broker). A coroutine ``aw`` that is not
+        awaited (the broker was already gone) is closed."""
+        try:
+            self.check(epoch)
+        except BrokerLost:
+            if asyncio.iscoroutine(aw):
+                aw.close()
+            raise
         return await unless_set(aw, self._down, lambda: BrokerLost(f"broker {self.cfg.bootstrap_servers} went away"))
 
     async def wait_up(self, stop: asyncio.Event | None = None) -> bool:

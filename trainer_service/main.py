@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import torch
 from aiokafka import TopicPartition
@@ -213,7 +213,7 @@ async def _session(config: TrainerSettings, watch: kafka.BrokerWatch, trainer: P
         else:
             loop.consumer, loop.producer, loop.control_consumer = consumer, producer, control_consumer
             log.info("trainer resumed on the broker at policy version %d", trainer.version)
-        loop.commit_guard = lambda: watch.check(epoch)
+        loop.commit_guard = lambda commit: watch.guard(commit, epoch)
         while not stop.is_set():
             watch.check(epoch)
             await loop.turn()
@@ -289,9 +289,12 @@ class TrainLoop:
         self.last_step_end = self.last_report = time.perf_counter()
         self.pause_logged = False  # the current pause has been reported
         self.traces = GroupTraces()  # each group's trace ends in a train_group span (trained or dropped)
-        self.commit_guard: Callable[[], None] | None = None
-        """Called before every commit; raises (``shared.kafka.BrokerLost``) when the broker went away since the
-        clients were made, so offsets of a lost broker are never committed on its successor."""
+        self.commit_guard: Callable[[Awaitable], Awaitable] | None = None
+        """Wraps every commit (the session's :meth:`shared.kafka.BrokerWatch.guard`): raises
+        ``shared.kafka.BrokerLost`` when the broker went away since the clients were made, or goes away while the
+        commit waits. Offsets of a lost broker are never committed on its successor, and a commit under way when
+        the broker dies does not hold the session: aiokafka's commit waits for a group coordinator until a
+        broker answers again (a stop meanwhile could not drain)."""
 
     async def turn(self) -> None:
         """Intake (≤ 200 ms long-poll), control (no wait), drops, at most one step (none while training
@@ -385,9 +388,8 @@ class TrainLoop:
         unacknowledged (its records must come back after a crash)."""
         offsets = {TopicPartition(t, p): o for (t, p), o in self.buffer.commit_offsets().items()}
         if offsets and not self.buffer.has_drops:
-            if self.commit_guard is not None:
-                self.commit_guard()
-            await self.consumer.commit(offsets)
+            commit = self.consumer.commit(offsets)
+            await (commit if self.commit_guard is None else self.commit_guard(commit))
 
     def _report_pause(self) -> None:
         if not self.pause_logged:

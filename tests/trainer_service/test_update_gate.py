@@ -240,3 +240,60 @@ async def test_a_stop_with_the_broker_up_never_abandons_and_cancels_at_its_bound
         await loop.drain(lambda: None, timeout_s=1.0)
     assert loop.publishing.cancelled() and not publisher.abandoned
     assert store.version_dir(1).is_dir() and store.latest() is None  # weights written, trainer state not
+
+
+@pytest.mark.kafka
+async def test_a_stop_between_broker_sessions_writes_the_held_version_whole(tmp_path, monkeypatch):
+    """The whole service (``trainer_service.main.run``, tiny model, real broker): step 1 is being published
+    (its weights write held) when the broker goes; the session ends and ``run`` waits for the broker. A stop
+    then comes between two sessions, with no client left to announce on: ``run`` abandons the announcements at
+    once (no ``drain_broker_wait_s`` to wait: 60 s here) and still writes version 1 whole, trainer state included,
+    so the next start resumes at it. Before, the held publication was cancelled at teardown; and a commit under
+    way when the broker went waited for a group coordinator (aiokafka) until the broker came back, so the session
+    never ended and the stop found no drain to do (3 runs of 4 failed that way before the commit was guarded)."""
+    import asyncio
+
+    from flywheel.broker import EmbeddedBroker
+    from flywheel.config import load_config
+    from shared import kafka
+    from shared.model import build_tiny_model
+    from trainer_service.main import run
+
+    model = build_tiny_model(tmp_path / "tiny")
+    entered, go = _hold_weight_writes(monkeypatch)
+    broker = EmbeddedBroker.start(log_path=tmp_path / "broker.log", with_parent=True)
+    stop, task = asyncio.Event(), None
+    try:
+        cfg = load_config(model={"name": str(model)}, run={"dir": str(tmp_path / "run")},
+                          kafka={"bootstrap_servers": broker.bootstrap_servers, "partitions": 1},
+                          budget={"batch_groups": 1, "max_steps": 10, "max_staleness": 5},
+                          telemetry={"traces": "off"}, trainer={"disk_reserve_bytes": 0, "drain_broker_wait_s": 60})
+        await kafka.ensure_topics(cfg.kafka)
+        task = asyncio.create_task(run(cfg, stop))
+        await _produce(cfg.kafka, [_scored("g1", 0, 1.0), _scored("g1", 1, 0.0)])
+        assert await asyncio.to_thread(entered.wait, 120), "step 1 was not trained"
+        broker.stop()
+        log_path = tmp_path / "run" / "logs" / "trainer.log"
+        deadline = time.monotonic() + 60
+        while "broker unreachable, retrying" not in log_path.read_text():  # the session is over
+            assert time.monotonic() < deadline, "the trainer did not notice the broker go"
+            assert not task.done(), task
+            await asyncio.sleep(0.1)
+        stop.set()
+        t0 = time.monotonic()
+        go.set()
+        await asyncio.wait_for(task, 30)  # not the 60 s grace, not the drain's 120 s
+        took = time.monotonic() - t0
+    finally:
+        go.set()
+        stop.set()
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        broker.stop()
+    assert took < 30
+    latest = CheckpointStore(tmp_path / "run" / "checkpoints").latest()
+    assert latest is not None and latest.version == 1, latest  # weights, trainer state and latest.json
+    text = log_path.read_text()
+    assert "policy version 1 is written but not announced" in text
+    assert "trainer stopped at policy version 1" in text
