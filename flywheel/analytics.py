@@ -294,16 +294,26 @@ class Store:
         self.specs = {s.name: s for s in (*specs, REJECTED)}
         self.con: duckdb.DuckDBPyConnection | None = None
 
-    def open(self) -> "Store":
-        """Connect (creating the file, its tables and views when new; adding columns a newer record type has).
+    def open(self, lock_wait_s: float = 10.0) -> "Store":
+        """Connect (creating the file, its tables and views when new; adding columns a newer record type has),
+        retrying for ``lock_wait_s`` seconds while another process holds the file: a ``flywheel analytics
+        query`` that opened it during a ``--follow`` ingest's pause (before, the ingest crashed then).
 
         Raises:
-            duckdb.IOException: another process holds the file.
+            duckdb.IOException: another process still holds the file after ``lock_wait_s`` seconds.
         """
         if self.con is not None:
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        con = self.con = duckdb.connect(str(self.path))
+        deadline = time.monotonic() + lock_wait_s
+        while True:
+            try:
+                con = self.con = duckdb.connect(str(self.path))
+                break
+            except duckdb.IOException:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
         have = set(con.execute("SELECT table_name, column_name FROM information_schema.columns").fetchall())
         for s in self.specs.values():
             cols = ", ".join(f"{n} {t}" for n, t in (*KAFKA_COLUMNS, *s.columns))

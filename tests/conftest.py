@@ -35,11 +35,13 @@ def unique() -> str:
 
 
 async def _read_topic(cfg: KafkaConfig, topic: str, cls, want: int, timeout_s: float = 60.0, keep=None,
-                      until=None) -> list:
+                      until=None, expect: int | None = None, settle_s: float = 3.0) -> list:
     """Decode records of ``cls`` from ``topic`` (no group, from the earliest offset).
 
     Keeps those passing ``keep`` (all when None) until ``want`` are kept, or with ``until`` until a
     kept record satisfies it, or the timeout. Undecodable records (other tests' garbage) are skipped.
+    With ``expect`` (fewer than ``want``: to show that no more came), the read also ends ``settle_s`` seconds
+    after ``expect`` were kept: a slow start of the reader cannot pass for "none more" as a short timeout can.
     """
     from shared import kafka
     from shared.schemas import DecodeError, decode
@@ -51,6 +53,9 @@ async def _read_topic(cfg: KafkaConfig, topic: str, cls, want: int, timeout_s: f
         while time.monotonic() < deadline:
             if (len(out) >= want) if until is None else any(map(until, out)):
                 break
+            if expect is not None and len(out) >= expect:
+                deadline = min(deadline, time.monotonic() + settle_s)
+                expect = None
             for msgs in (await c.getmany(timeout_ms=200)).values():
                 for m in msgs:
                     try:
@@ -66,7 +71,8 @@ async def _read_topic(cfg: KafkaConfig, topic: str, cls, want: int, timeout_s: f
 
 @pytest.fixture
 def read_topic():
-    """``await read_topic(kafka_cfg, topic, RecordClass, want, timeout_s=60, keep=None, until=None)``."""
+    """``await read_topic(kafka_cfg, topic, RecordClass, want, timeout_s=60, keep=None, until=None, expect=None,
+    settle_s=3)``."""
     return _read_topic
 
 

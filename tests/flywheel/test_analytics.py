@@ -295,3 +295,28 @@ def test_query_prints_a_table_or_json_lines_and_refuses_bad_or_writing_sql(tmp_p
     assert rows(db, "SELECT count(*) FROM rewards") == [(4,)]
     r = CliRunner().invoke(app, ["analytics", "query", "SELECT 1", "--db", str(tmp_path / "none.duckdb")])
     assert r.exit_code == 1 and "no analytics database" in r.output
+
+
+def test_opening_the_store_waits_while_a_reader_holds_the_file(tmp_path):
+    """A ``flywheel analytics query`` (read-only, another process) holds the file when a ``--follow`` ingest
+    re-opens it after its pause: the ingest waits for the file instead of crashing; without a wait it raises."""
+    import time
+
+    db = tmp_path / "a.duckdb"
+    Store(db).open().close()
+    reader = subprocess.Popen([sys.executable, "-c", (
+        "import duckdb, sys, time\n"
+        f"con = duckdb.connect({str(db)!r}, read_only=True)\n"
+        "print('held', flush=True); time.sleep(2.0); con.close()\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == "held"
+        with pytest.raises(duckdb.IOException):
+            Store(db).open(lock_wait_s=0)
+        t0 = time.monotonic()
+        store = Store(db).open(lock_wait_s=30)
+        waited = time.monotonic() - t0
+        store.close()
+    finally:
+        reader.kill()
+        reader.wait(10)
+    assert waited > 0.5, waited  # it did wait for the reader, and then opened the file

@@ -88,7 +88,7 @@ async def test_each_finished_eval_round_is_published_once_even_across_a_restart(
     finally:
         await producer.stop()
         reg.close()
-    got = await read_topic(kafka_cfg, topics.METRICS, Metrics, 4, timeout_s=5, keep=mine)  # 3: none twice
+    got = await read_topic(kafka_cfg, topics.METRICS, Metrics, 4, keep=mine, expect=3)  # 3: none twice
     assert [(m.domain, m.values.get("eval/accuracy"), m.values["eval/n"], m.values["eval/round"], m.policy_version)
             for m in got] == [(None, 2 / 3, 3.0, r0, 1), (code, 1.0, 1.0, r0, 1), (toy, 0.5, 2.0, r0, 1)]
     gauges = await read_topic(kafka_cfg, topics.METRICS, Metrics, 1, timeout_s=10,

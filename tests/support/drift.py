@@ -269,25 +269,32 @@ def trained_versions(checkpoint_dir: Path) -> dict[int, tuple[float, set[str]]]:
     return out
 
 
-async def _alerts(bootstrap: str, quiet_s: float = 1.5, timeout_s: float = 20.0) -> list:
+async def _alerts(bootstrap: str, timeout_s: float = 60.0) -> list:
+    """Every Alert on flywheel.alerts up to its end offsets as read at the start (not "until a quiet spell": a
+    slow first fetch read as quiet returned nothing)."""
+    from aiokafka import TopicPartition
+
     from shared import kafka, topics
     from shared.config import KafkaConfig
     from shared.schemas import Alert, DecodeError, decode
 
     c = kafka.make_consumer(KafkaConfig(bootstrap_servers=bootstrap), topics.ALERTS, group_id=None)
     await c.start()
-    out, last, deadline = [], time.monotonic(), time.monotonic() + timeout_s
+    out, deadline = [], time.monotonic() + timeout_s
     try:
-        while time.monotonic() < deadline and time.monotonic() - last < quiet_s:
-            got = await c.getmany(timeout_ms=300)
-            for msgs in got.values():
+        tps = [TopicPartition(topics.ALERTS, p) for p in sorted(c.partitions_for_topic(topics.ALERTS) or ())]
+        assert tps, "flywheel.alerts has no partitions"
+        end = await c.end_offsets(tps)
+        read = {tp: 0 for tp in tps}  # the next offset per partition
+        while any(read[tp] < n for tp, n in end.items()):
+            assert time.monotonic() < deadline, f"flywheel.alerts read to {read}, its end was {end}"
+            for tp, msgs in (await c.getmany(timeout_ms=300)).items():
                 for m in msgs:
+                    read[tp] = max(read.get(tp, 0), m.offset + 1)
                     try:
                         out.append(decode(m.value, Alert))
                     except DecodeError:
                         continue
-            if got:
-                last = time.monotonic()
     finally:
         await c.stop()
     return sorted(out, key=lambda a: a.time)

@@ -165,21 +165,46 @@ async def _weights(read_topic, cfg, want, timeout_s=60):
     return [w.version for w in await read_topic(cfg.kafka, topics.WEIGHTS, WeightUpdate, want, timeout_s=timeout_s)]
 
 
+def _folds(monkeypatch) -> list[Control]:
+    """Every control record the trainer (in this process) folds in, in order."""
+    applied: list[Control] = []
+    real = ControlState.apply
+
+    def apply(self, ctrl: Control) -> bool:
+        changed = real(self, ctrl)
+        applied.append(ctrl)
+        return changed
+
+    monkeypatch.setattr(ControlState, "apply", apply)
+    return applied
+
+
+async def _folded(applied: list[Control], want, timeout_s: float = 30.0) -> None:
+    """Wait until a folded record satisfies ``want`` (the records it governs may be sent after that: a turn
+    folds control before it takes groups)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not any(want(c) for c in applied):
+        assert asyncio.get_running_loop().time() < deadline, applied
+        await asyncio.sleep(0.02)
+
+
 @pytest.mark.kafka
-async def test_a_blocked_domains_groups_are_dropped_as_circuit_open_until_it_is_trainable_again(setup, read_topic):
+async def test_a_blocked_domains_groups_are_dropped_as_circuit_open_until_it_is_trainable_again(setup, read_topic,
+                                                                                               monkeypatch):
     cfg = setup
+    applied = _folds(monkeypatch)
 
     async def body():
         await _produce(cfg.kafka, _group("gy0", "y"))
         assert await _weights(read_topic, cfg, 1) == [1]  # the trainer is up and polling
         await _produce(cfg.kafka, [_state("x", False, "circuit_open")])
-        await asyncio.sleep(SETTLE_S)
+        await _folded(applied, lambda c: c.domain == "x" and c.trainable is False)
         await _produce(cfg.kafka, _group("gx1", "x") + _group("gy1", "y"))
         drops = await read_topic(cfg.kafka, topics.GROUP_DROPS, GroupDropped, 1)
         assert [(d.group_id, d.reason, d.samples) for d in drops] == [("gx1", "circuit_open", 2)]
         assert await _weights(read_topic, cfg, 2) == [1, 2]
         await _produce(cfg.kafka, [_state("x", True)])
-        await asyncio.sleep(SETTLE_S)
+        await _folded(applied, lambda c: c.domain == "x" and c.trainable is True)
         await _produce(cfg.kafka, _group("gx2", "x", version=2))  # sampled by version 2: fresh
         assert await _weights(read_topic, cfg, 3) == [1, 2, 3]
 
@@ -190,7 +215,7 @@ async def test_a_blocked_domains_groups_are_dropped_as_circuit_open_until_it_is_
     assert metrics[-1].values["train/dropped_circuit_open_total"] == 1.0
     assert metrics[-1].values["train/dropped_domain_paused_total"] == 0.0
     assert metrics[-1].values["train/trained_groups_total"] == 3.0
-    assert len(await read_topic(cfg.kafka, topics.GROUP_DROPS, GroupDropped, 2, timeout_s=1)) == 1
+    assert len(await read_topic(cfg.kafka, topics.GROUP_DROPS, GroupDropped, 2, expect=1)) == 1
 
 
 @pytest.mark.kafka

@@ -4,6 +4,7 @@ instead of dying with ENOSPC, never publishes a half-written version, and goes o
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -57,7 +58,7 @@ async def test_a_full_disk_alerts_and_holds_the_step_instead_of_crashing(tmp_pat
             assert not task.done()  # the old trainer died here: SafetensorError "No space left on device"
             assert store.latest().version == 1 and store.newest_published().version == 1
             assert not list(store.root.rglob("*.tmp"))
-            ws = await read_topic(cfg.kafka, topics.WEIGHTS, WeightUpdate, 2, timeout_s=2)
+            ws = await read_topic(cfg.kafka, topics.WEIGHTS, WeightUpdate, 2, expect=1)
             assert [w.version for w in ws] == [1]  # nothing announced while the disk is full
 
             ballast.unlink()  # space freed (flywheel clean): the held version is written and announced
@@ -65,8 +66,10 @@ async def test_a_full_disk_alerts_and_holds_the_step_instead_of_crashing(tmp_pat
             assert [w.version for w in ws] == [1, 2]
             alerts = await read_topic(cfg.kafka, topics.ALERTS, Alert, 2, timeout_s=30, keep=disk)
             assert [(a.status, a.severity) for a in alerts] == [("firing", "critical"), ("resolved", "critical")]
-            await asyncio.sleep(0.5)
-            assert store.latest().version == 2
+            deadline = time.monotonic() + 30  # latest.json is written after the announcement and the alert
+            while (latest := store.latest()) is None or latest.version != 2:
+                assert time.monotonic() < deadline, latest
+                await asyncio.sleep(0.1)
         finally:
             stop.set()
             await asyncio.wait_for(task, 30)
@@ -91,8 +94,7 @@ async def test_a_low_disk_warns_once_and_keeps_training(tmp_path, small_fs, read
                 await _produce(cfg.kafka, [_scored(f"g{k}", 0, 1.0, k), _scored(f"g{k}", 1, 0.0, k)])
                 ws = await read_topic(cfg.kafka, topics.WEIGHTS, WeightUpdate, k + 1)
                 assert [w.version for w in ws] == list(range(1, k + 2))
-            await asyncio.sleep(1.0)
-            alerts = await read_topic(cfg.kafka, topics.ALERTS, Alert, 2, timeout_s=3, keep=disk)
+            alerts = await read_topic(cfg.kafka, topics.ALERTS, Alert, 2, keep=disk, expect=1)
             assert [(a.status, a.severity) for a in alerts] == [("firing", "warning")]
             assert alerts[0].threshold > alerts[0].value
         finally:

@@ -89,7 +89,7 @@ async def test_redelivered_trajectories_are_not_trained_twice_even_after_restart
         assert [w.version for w in ws] == [1, 2, 2]
 
     await _with_trainer(cfg, after_restart)
-    assert len(await read_topic(cfg.kafka, topics.METRICS, Metrics, 3, timeout_s=5, keep=run_wide)) == 2
+    assert len(await read_topic(cfg.kafka, topics.METRICS, Metrics, 3, keep=run_wide, expect=2)) == 2
 
 
 @pytest.mark.kafka

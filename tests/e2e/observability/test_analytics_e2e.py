@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -67,6 +68,12 @@ def test_the_questions_have_answers_and_a_second_ingest_duplicates_nothing(obser
     t0 = time.monotonic()
     out = cli("--run-dir", str(run_dir)).stdout
     first_s = time.monotonic() - t0
+    # the scheduler publishes a round's eval records up to a second or more after REST calls the round done
+    deadline = time.monotonic() + 60
+    while not {r["eval_round"] for r in ask(run_dir, "heldout_accuracy")} >= set(observed.eval_rounds):
+        assert time.monotonic() < deadline, ask(run_dir, "heldout_accuracy")
+        time.sleep(1.0)
+        out = cli("--run-dir", str(run_dir)).stdout
     first = snapshot(db)
     assert first["gaps"] == [], first["gaps"]
     counts = first["counts"]
@@ -101,11 +108,27 @@ def test_follow_keeps_ingesting_until_sigterm_and_query_reads_meanwhile(observed
     proc = subprocess.Popen([sys.executable, "-m", "flywheel.cli", "analytics", "--run-dir", str(run_dir),
                              "--follow", "-v"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+    lines: list[str] = []
+
+    def read() -> None:  # until the pipe closes
+        for line in proc.stdout:
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        time.sleep(8.0)  # the services publish metrics every few seconds
-        n = ask(run_dir, "SELECT count(*) AS n FROM metrics")[0]["n"]  # opens the file while the ingest idles
+        deadline = time.monotonic() + 90  # the child's start (imports, consumer) and its first batch
+        while not any("batch 1:" in line for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.2)
+        n = before
+        while n <= before:  # the services publish metrics every few seconds; opens the file while the ingest idles
+            assert time.monotonic() < deadline, (before, n, "".join(lines)[-3000:])
+            n = ask(run_dir, "SELECT count(*) AS n FROM metrics")[0]["n"]
         proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
+        reader.join(10)
+        output = "".join(lines)
     finally:
         if proc.poll() is None:
             proc.kill()
