@@ -300,20 +300,13 @@ class Store:
         query`` that opened it during a ``--follow`` ingest's pause (before, the ingest crashed then).
 
         Raises:
-            duckdb.IOException: another process still holds the file after ``lock_wait_s`` seconds.
+            duckdb.IOException: another process still holds the file after ``lock_wait_s`` seconds, or the file
+                cannot be opened at all (not a DuckDB file: at once).
         """
         if self.con is not None:
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        deadline = time.monotonic() + lock_wait_s
-        while True:
-            try:
-                con = self.con = duckdb.connect(str(self.path))
-                break
-            except duckdb.IOException:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        con = self.con = connect(self.path, lock_wait_s=lock_wait_s)
         have = set(con.execute("SELECT table_name, column_name FROM information_schema.columns").fetchall())
         for s in self.specs.values():
             cols = ", ".join(f"{n} {t}" for n, t in (*KAFKA_COLUMNS, *s.columns))
@@ -578,6 +571,24 @@ async def _settle_owed(consumer, owed: Mapping[TopicPartition, tuple[int, str]])
 # ---------------------------------------------------------------- queries
 
 
+def connect(db: str | Path, read_only: bool = False, lock_wait_s: float = 10.0) -> duckdb.DuckDBPyConnection:
+    """Connect to the DuckDB file ``db``, retrying every 0.2 s for ``lock_wait_s`` seconds while another process
+    holds its lock (DuckDB: one writing process, or any number of reading ones). Blocks the calling thread.
+
+    Raises:
+        duckdb.IOException: the lock is still held after ``lock_wait_s`` seconds, or the file cannot be opened
+            for another reason (raised at once: not a DuckDB file, say).
+    """
+    deadline = time.monotonic() + lock_wait_s
+    while True:
+        try:
+            return duckdb.connect(str(db), read_only=read_only)
+        except duckdb.IOException as e:
+            if "Could not set lock" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def query(db: str | Path, sql: str, timeout_s: float = 10.0) -> tuple[list[str], list[tuple]]:
     """Run ``sql`` (or the :data:`QUESTIONS` entry of that name) on the database read-only; returns the column
     names and the rows. Retries for ``timeout_s`` seconds while an ingest holds the file.
@@ -589,15 +600,7 @@ def query(db: str | Path, sql: str, timeout_s: float = 10.0) -> tuple[list[str],
     if not Path(db).exists():
         raise FileNotFoundError(f"no analytics database at {db} (run `flywheel analytics` first)")
     sql = QUESTIONS[sql].sql if sql in QUESTIONS else sql
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            con = duckdb.connect(str(db), read_only=True)
-            break
-        except duckdb.IOException:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    con = connect(db, read_only=True, lock_wait_s=timeout_s)
     try:
         cur = con.execute(sql)
         cols = [d[0] for d in cur.description] if cur.description else []

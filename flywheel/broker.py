@@ -80,7 +80,12 @@ def tansu_binary() -> Path:
 
 #: The lowest port :func:`free_port` hands out.
 FREE_PORT_MIN = 10000
+#: Ports in :func:`free_port`'s range that a user may start something on by a name this project gives it:
+#: 16686 (Jaeger's UI in compose), 19092 (compose Kafka's host listener), 29650 (``weights.broadcast_port``'s
+#: default), 30000 (``rollout.sglang_url``'s default SGLang server).
+KNOWN_PORTS = frozenset({16686, 19092, 29650, 30000})
 _EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+_RESERVED_PORTS = "/proc/sys/net/ipv4/ip_local_reserved_ports"
 _port_rng = random.Random()  # its own generator: a test that seeds ``random`` does not make picks repeat
 _handed_out: set[int] = set()
 
@@ -94,6 +99,24 @@ def ephemeral_port_range() -> tuple[int, int]:
         return low, high
     except (OSError, ValueError):
         return 32768, 60999
+
+
+def reserved_ports() -> frozenset[int]:
+    """The ports the administrator reserved (``net.ipv4.ip_local_reserved_ports``: ``"8080,9000-9010"``); none
+    where the file is missing or unreadable."""
+    try:
+        with open(_RESERVED_PORTS) as f:
+            text = f.read().strip()
+    except OSError:
+        return frozenset()
+    out: set[int] = set()
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.strip().partition("-")
+        try:
+            out.update(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            continue
+    return frozenset(out)
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -116,16 +139,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     :data:`FREE_PORT_MIN` up. A port from that range (what binding port 0 gives) can be taken, between the pick
     and the server's bind, by the local end of any outgoing connection, a Kafka client's for one, and it stays
     taken while that connection lives: a service bound to it would crash on ``EADDRINUSE`` at every restart.
-    Ports below the range are never given to outgoing connections. The same process is not handed the same
-    port twice (up to 4,096 picks). Where the range starts too low to leave room, the kernel picks (port 0).
+    Ports below the range are never given to outgoing connections. Skipped: :data:`KNOWN_PORTS` and the
+    administrator's reserved ports (:func:`reserved_ports`). The same process is not handed the same port twice
+    (up to 4,096 picks). Where the range starts too low to leave room, the kernel picks (port 0).
     """
     low, _ = ephemeral_port_range()
     if low - FREE_PORT_MIN >= 1024:
         if len(_handed_out) >= 4096:
             _handed_out.clear()
+        skip = KNOWN_PORTS | reserved_ports()
         for _ in range(256):
             port = _port_rng.randrange(FREE_PORT_MIN, low)
-            if port not in _handed_out and port_is_free(port, host):
+            if port not in _handed_out and port not in skip and port_is_free(port, host):
                 _handed_out.add(port)
                 return port
     with socket.socket() as s:

@@ -320,3 +320,10 @@ def test_opening_the_store_waits_while_a_reader_holds_the_file(tmp_path):
         reader.kill()
         reader.wait(10)
     assert waited > 0.5, waited  # it did wait for the reader, and then opened the file
+
+    bad = tmp_path / "bad.duckdb"
+    bad.write_bytes(b"not a database" * 100)
+    t0 = time.monotonic()
+    with pytest.raises(duckdb.IOException, match="not a valid DuckDB database"):
+        Store(bad).open(lock_wait_s=30)
+    assert time.monotonic() - t0 < 5  # only a held lock is waited for

@@ -280,10 +280,8 @@ async def test_a_stop_between_broker_sessions_writes_the_held_version_whole(tmp_
             assert not task.done(), task
             await asyncio.sleep(0.1)
         stop.set()
-        t0 = time.monotonic()
         go.set()
         await asyncio.wait_for(task, 30)  # not the 60 s grace, not the drain's 120 s
-        took = time.monotonic() - t0
     finally:
         go.set()
         stop.set()
@@ -291,7 +289,6 @@ async def test_a_stop_between_broker_sessions_writes_the_held_version_whole(tmp_
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         broker.stop()
-    assert took < 30
     latest = CheckpointStore(tmp_path / "run" / "checkpoints").latest()
     assert latest is not None and latest.version == 1, latest  # weights, trainer state and latest.json
     text = log_path.read_text()

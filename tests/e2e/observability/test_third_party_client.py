@@ -48,6 +48,7 @@ def _read(bootstrap: str, topic: str, timeout_s: float = 60.0) -> list[tuple[dic
             out.append((json.loads(msg.value()), msg.timestamp()[1] / 1000))
             if msg.offset() >= todo.get(msg.partition(), msg.offset() + 1):
                 del todo[msg.partition()]
+        assert not todo, f"{topic}: partitions not read to their end in {timeout_s:.0f} s: {todo}"
         drain_until = time.monotonic() + 1.0  # the rest of the last fetch (the end batch's other records)
         while time.monotonic() < drain_until and (msg := c.poll(0.1)) is not None:
             assert msg.error() is None, msg.error()
