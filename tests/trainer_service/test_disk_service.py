@@ -30,6 +30,14 @@ def small_fs(tmp_path):
         yield d
 
 
+async def _until_latest(store: CheckpointStore, version: int, timeout_s: float = 30.0) -> None:
+    """Wait until ``latest.json`` names ``version``: the trainer writes it after the version's announcement."""
+    deadline = time.monotonic() + timeout_s
+    while (latest := store.latest()) is None or latest.version != version:
+        assert time.monotonic() < deadline, latest
+        await asyncio.sleep(0.1)
+
+
 @pytest.mark.kafka
 async def test_a_full_disk_alerts_and_holds_the_step_instead_of_crashing(tmp_path, small_fs, read_topic):
     model = build_tiny_model(tmp_path / "tiny")
@@ -47,6 +55,7 @@ async def test_a_full_disk_alerts_and_holds_the_step_instead_of_crashing(tmp_pat
         try:
             await _produce(cfg.kafka, [_scored("g1", 0, 1.0), _scored("g1", 1, 0.0)])
             assert [w.version for w in await read_topic(cfg.kafka, topics.WEIGHTS, WeightUpdate, 1)] == [1]
+            await _until_latest(store, 1)  # v1 whole before the disk fills (else its trainer state waits for space)
             # leave less than reserve + one checkpoint free
             ballast = small_fs / "ballast"
             ballast.write_bytes(b"\0" * (store.free_bytes() - MiB - store.version_bytes(1) // 2))
@@ -66,10 +75,7 @@ async def test_a_full_disk_alerts_and_holds_the_step_instead_of_crashing(tmp_pat
             assert [w.version for w in ws] == [1, 2]
             alerts = await read_topic(cfg.kafka, topics.ALERTS, Alert, 2, timeout_s=30, keep=disk)
             assert [(a.status, a.severity) for a in alerts] == [("firing", "critical"), ("resolved", "critical")]
-            deadline = time.monotonic() + 30  # latest.json is written after the announcement and the alert
-            while (latest := store.latest()) is None or latest.version != 2:
-                assert time.monotonic() < deadline, latest
-                await asyncio.sleep(0.1)
+            await _until_latest(store, 2)
         finally:
             stop.set()
             await asyncio.wait_for(task, 30)
