@@ -90,6 +90,9 @@ def _start(config: Path, sets: list[str] | None, run_dir: Path | None, fresh: bo
     console.print(f"[green]system up[/]: scheduler {system.scheduler_url} (docs at /docs, dashboard at "
                   f"{system.scheduler_url}/dashboard), "
                   f"broker {system.env['FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS']}, run dir {system.run_dir}")
+    if system.precision:
+        console.print("precision: " + ", ".join(f"{k} {p['dtype']}" for k, p in system.precision.items())
+                      + f" ({next(iter(system.precision.values()))['hardware']})")
     return system, cfg
 
 
@@ -220,7 +223,7 @@ def run(
     extra = _read_jsonl(submit) if submit else []
     system, cfg = _start(config, set_, run_dir, fresh=True)
     try:
-        result = _train(system, cfg, t0, timeout, extra, retry_s=retry)
+        result = _train(system, cfg, t0, timeout, extra, retry_s=retry, report=report)
     except httpx.HTTPError as e:  # shared.client's ApiError included: it names the URL, attempts, last error
         console.print(f"[red]the job stopped: {e if isinstance(e, ApiError) else f'{type(e).__name__}: {e}'}[/]")
         raise typer.Exit(1) from None
@@ -253,8 +256,21 @@ def _fmt(ev: dict | None) -> str:
     return "n/a" if not ev or ev.get("accuracy") is None else f"{ev['accuracy']:.3f} (n={ev['n']})"
 
 
+def _write_partial_report(system: LocalSystem, api: SchedulerApi, cfg, t0: float, report: Path, why: str) -> None:
+    """Write the run report of a run that stops before ``max_steps`` (interrupted, or past its timeout): the
+    steps and eval rounds it reached, with ``interrupted`` saying why. Best effort: a scheduler that does not
+    answer leaves no report (said on the console)."""
+    try:
+        before = next((e for e in api.get("/v1/evals") if e.get("done") and e.get("min_policy_version") == 0), None)
+        result = _report(system, api, cfg, t0, before, None, settle_s=0.0) | {"interrupted": why}
+        console.print(f"[yellow]stopped early ({why}): the report has the {result['steps']} steps reached[/]")
+        _summarise(result, report)
+    except (httpx.HTTPError, KeyError, ValueError) as e:
+        console.print(f"[red]no report for the interrupted run: {e}[/]")
+
+
 def _train(system: LocalSystem, cfg, t0: float, timeout_s: float, extra: list[dict] = (),
-           retry_s: float = 120.0) -> dict:
+           retry_s: float = 120.0, report: Path | None = None) -> dict:
     """The main job's phases: submit the tasks, follow training to ``budget.max_steps``, evaluate the
     held-out split at the final version, and gather the report (:func:`_report`). Every request to the
     scheduler sends the system's token and rides through a scheduler restart (:class:`SchedulerApi`).
@@ -269,7 +285,12 @@ def _train(system: LocalSystem, cfg, t0: float, timeout_s: float, extra: list[di
         tasks = make_tasks(cfg.tasks) + list(extra)
         submit_tasks(api.client, tasks)
         deadline = t0 + timeout_s
-        eval_rows = _follow_training(system, api, cfg.budget.max_steps, deadline)
+        try:
+            eval_rows = _follow_training(system, api, cfg.budget.max_steps, deadline)
+        except (KeyboardInterrupt, TimeoutError) as e:
+            if report is not None:  # what the run reached, before the services stop
+                _write_partial_report(system, api, cfg, t0, report, f"{type(e).__name__}: {e}")
+            raise
         before = next((e for e in sorted(eval_rows.values(), key=lambda e: e["eval_round"])
                        if e["min_policy_version"] == 0), None)
         after = None
@@ -292,7 +313,10 @@ def _follow_training(system: LocalSystem, api: SchedulerApi, max_steps: int, dea
     eval_rows: dict[int, dict] = {}
     cols = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
             TimeElapsedColumn()]
-    with Progress(*cols, console=console, transient=False) as progress:
+    # not a terminal (CI, nohup, a log file): a live bar shows nothing until the end, so one line per new step
+    lines = not console.is_terminal
+    t0, shown = time.monotonic(), -1
+    with Progress(*cols, console=console, transient=False, disable=lines) as progress:
         bar = progress.add_task("steps", total=max_steps, info="waiting for the first eval and the first batch")
         while True:
             for note in system.check():
@@ -303,7 +327,12 @@ def _follow_training(system: LocalSystem, api: SchedulerApi, max_steps: int, dea
                     eval_rows[ev["eval_round"]] = ev
                     progress.console.print(f"eval round {ev['eval_round']} at policy version "
                                            f"{ev.get('policy_versions')}: accuracy {ev['accuracy']:.3f} (n={ev['n']})")
-            progress.update(bar, completed=min(st["policy_version"], max_steps), info=_status_line(st, eval_rows))
+            step = min(st["policy_version"], max_steps)
+            progress.update(bar, completed=step, info=_status_line(st, eval_rows))
+            if lines and step != shown:
+                shown = step
+                progress.console.print(f"step {step}/{max_steps} {_status_line(st, eval_rows)} "
+                                       f"{time.monotonic() - t0:.0f} s", soft_wrap=True)
             if st["policy_version"] >= max_steps:
                 return eval_rows
             if time.monotonic() > deadline:
@@ -348,12 +377,13 @@ def alert_summary(alerts: dict) -> dict:
 
 
 def _report(system: LocalSystem, api: SchedulerApi, cfg, t0: float, before: dict | None,
-            after: dict | None) -> dict:
-    """The run report (``--report``): title, evals before/after, per-step metrics history, config."""
+            after: dict | None, settle_s: float = 30.0) -> dict:
+    """The run report (``--report``): title, evals before/after, per-step metrics history, config. Waits up to
+    ``settle_s`` for the last step's metrics record."""
     max_steps = cfg.budget.max_steps
     history = api.get("/v1/metrics/history")
     # the last step's metrics record may trail its weight announcement (it follows the optimizer state)
-    settle = time.monotonic() + 30
+    settle = time.monotonic() + settle_s
     while max((h["step"] for h in history), default=0) < max_steps and time.monotonic() < settle:
         time.sleep(0.5)
         history = api.get("/v1/metrics/history")
@@ -387,6 +417,8 @@ def _report(system: LocalSystem, api: SchedulerApi, cfg, t0: float, before: dict
                    "min_policy_version": e.get("min_policy_version"), "policy_versions": e.get("policy_versions")}
                   for e in evals if e.get("done")],
         "config": cfg.model_dump(mode="json"),
+        # the dtype each torch service chose and why (``auto``: bf16 only where the CPU or GPU runs it natively)
+        "precision": system.precision,
         "run_dir": str(system.run_dir),
     }
 

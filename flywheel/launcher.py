@@ -40,6 +40,7 @@ import orjson
 
 from flywheel.broker import (EmbeddedBroker, broker_env, die_with_parent, free_port, open_private_log, port_is_free,
                              stop_pid)
+from shared import precision
 from shared.auth import auth_headers, ensure_token_file, write_private
 from shared.config import KafkaConfig, RunConfig, read_yaml
 
@@ -130,6 +131,38 @@ def allocator_env(config_path: str | os.PathLike, env: Mapping[str, str]) -> dic
                     "services use the system allocator", TCMALLOC)
         return {}
     return {"LD_PRELOAD": " ".join(x for x in (env.get("LD_PRELOAD"), lib) if x)}
+
+
+def _setting(config_path: str | os.PathLike, env: Mapping[str, str], section: str, key: str, default):
+    """``<section>.<key>`` of the system: environment over YAML over ``default`` (booleans spelled as in YAML
+    or the environment become bools)."""
+    value = env.get(f"FLYWHEEL_{section.upper()}__{key.upper()}")
+    if value is None:
+        value = _yaml_value(config_path, section, key)
+    if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0"):
+        value = value.lower() in ("true", "yes", "on", "1")
+    return default if value is None else value
+
+
+def precision_plan(config_path: str | os.PathLike, env: Mapping[str, str]) -> dict[str, dict]:
+    """The precision the torch services choose on this machine, by setting (``rollout.dtype``,
+    ``trainer.autocast_bf16``, ``trainer.output_bf16``), each :meth:`shared.precision.Precision.as_dict`: the same
+    decision the services make at their start (:func:`shared.precision.resolve`, one hardware probe), for
+    ``flywheel.json`` and the run report. A setting the system does not use (an ``sglang`` or ``null`` engine, the
+    trainer's ``null_step``) is left out; one that is not a valid choice is left to the service to refuse."""
+    plan = {}
+    if _setting(config_path, env, "rollout", "engine", "torch") == "torch":
+        plan["rollout.dtype"] = _setting(config_path, env, "rollout", "dtype", "auto")
+    if not _setting(config_path, env, "trainer", "null_step", False):
+        for key in ("autocast_bf16", "output_bf16"):
+            plan[f"trainer.{key}"] = _setting(config_path, env, "trainer", key, "auto")
+    out = {}
+    for name, requested in plan.items():
+        try:
+            out[name] = precision.resolve(requested).as_dict()
+        except ValueError:
+            continue
+    return out
 
 
 # ---------------------------------------------------------------------- supervision
@@ -255,6 +288,9 @@ class LocalSystem:
     worker processes are not in its figure."""
     _rss_at: float = 0.0
     _cpu: dict[str, dict[int, float]] = field(default_factory=dict)
+    precision: dict[str, dict] = field(default_factory=dict)
+    """The precision the torch services chose, by setting (:func:`precision_plan`): in ``flywheel.json`` and the
+    run report."""
     """CPU seconds last read per process name and pid (every incarnation after a restart keeps its own)."""
 
     #: Seconds between :meth:`check`'s peak-RSS samples.
@@ -339,7 +375,8 @@ class LocalSystem:
         system = cls(run_dir, env, broker, f"http://127.0.0.1:{scheduler_port}", f"http://127.0.0.1:{sandbox_port}",
                      policy=policy or RestartPolicy(), metrics_ports={n: free_port() for n in METRICS_PORT_SERVICES},
                      token=token, judge_key_env=judge_key_env(config_path, env),
-                     partitions=_kafka_partitions(config_path, env), torch_env=allocator_env(config_path, env))
+                     partitions=_kafka_partitions(config_path, env), torch_env=allocator_env(config_path, env),
+                     precision=precision_plan(config_path, env))
         try:
             if broker is not None:  # every topic before any client can auto-create one with the broker's default
                 err = system._create_topics(strict=True)  # count (4 on Tansu: it capped verifier replicas at 4)
@@ -577,6 +614,7 @@ class LocalSystem:
             "broker_pid": self.broker.pid if self.broker else None,
             "services": {n: sp.process.pid for n, sp in self.services.items()},
             "metrics_urls": self.metrics_urls,
+            "precision": self.precision,
         }
         write_private(self.run_dir / "flywheel.json", orjson.dumps(state, option=orjson.OPT_INDENT_2))
 

@@ -5,6 +5,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared.config import Settings, WeightsConfig
+from shared.precision import DTypeChoice
 from shared.topics import DEFAULT_POOL, POOL_PATTERN
 
 
@@ -50,8 +51,17 @@ class RolloutConfig(BaseModel):
     """Torch engine: up to this many threads while the machine's other cores are idle (the trainer stepping
     on its own core leaves none; the trainer waiting for data leaves one), re-decided before every decoder
     layer (``shared/threads.py``). 0 (or ≤ ``torch_threads``): always ``torch_threads``."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Weights dtype of the torch engine."""
+    dtype: DTypeChoice = "auto"
+    """Weights dtype of the torch engine: ``auto`` (bfloat16 where the device runs it natively, AVX512_BF16 or
+    AMX on a CPU; float32 elsewhere, where bf16 is emulated and about 50x slower; decided at start and logged,
+    ``shared/precision.py``), ``float32`` or ``bfloat16``."""
+    quantization: Literal["none", "int8"] = "none"
+    """Torch engine: the weights that generate. ``none``: ``dtype``'s. ``int8``: an int8 copy of the body's linear
+    layers (per-row int8 weights, activations quantized per batch at run time; embeddings, norms and the output
+    layer stay float32), rebuilt after each weight version (``rollout_service/quantize.py``). Faster on a CPU
+    without native bf16 (SmolLM2, 32 samples: 1.76x the tokens per second of float32 on an AVX2 Zen 3) but
+    far from the float32 policy: KL(fp32 ‖ int8) of 1.75 nats per token for SmolLM2, against 0.0024 for
+    bf16 (``benchmarks/rollout_int8.py``), so its samples are strongly off-policy; not a default anywhere."""
     attention: Literal["sdpa", "eager"] = "sdpa"
     """Torch engine: the attention kernel (transformers' ``attn_implementation``). ``eager`` (matmul, softmax,
     matmul) is faster for short sequences on a CPU: each decode step is one query against a short cache, where

@@ -45,6 +45,7 @@ from shared import kafka, topics
 from shared.config import KafkaConfig
 from shared.metrics import serve_metrics
 from shared.model import load_model, load_tokenizer, resolve_model_dir
+from shared.precision import choose
 from shared.schemas import Metrics
 from shared.telemetry import flush_tracing
 from shared.threads import CoreBurst
@@ -84,7 +85,12 @@ def build_engine(config: RolloutSettings):
     from rollout_service.torch_engine import TorchEngine
 
     torch.set_num_threads(cfg.torch_threads)
-    engine = TorchEngine(load_model(model_dir, cfg.dtype, cfg.attention), tok, seed=cfg.seed)
+    dtype = choose("rollout.dtype", cfg.dtype, logger=log).dtype  # once per process, logged with its reason
+    if cfg.quantization != "none":
+        log.warning("rollout.quantization = %s: generation with int8 linear layers, whose log-probs are far from "
+                    "the trainer's (rollout_service/quantize.py)", cfg.quantization)
+    engine = TorchEngine(load_model(model_dir, dtype, cfg.attention), tok, seed=cfg.seed,
+                         quantization=cfg.quantization)
     attach_burst(engine.model, CoreBurst(cfg.torch_threads, cfg.burst_threads))
     return engine, tok
 

@@ -44,8 +44,13 @@ class TorchEngine(Engine):
     may be called from any thread at any time.
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer, seed: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer, seed: int = 0, quantization: str = "none") -> None:
         self.model = model
+        """The weights as published (the master copy every version loads into)."""
+        self.quantization = quantization
+        """``none`` (generate with :attr:`model`) or ``int8`` (with an int8 copy of it rebuilt after each weight
+        load: :mod:`rollout_service.quantize`)."""
+        self._runner: torch.nn.Module | None = None  # the int8 copy, None when stale or not quantizing
         self.tokenizer = tokenizer
         self.eos_ids = self._eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -74,6 +79,7 @@ class TorchEngine(Engine):
     def update_weights(self, update: WeightUpdate) -> None:
         with self._lock:
             load_weights(self.model, update)
+            self._runner = None
             self.policy_version = update.version
 
     def weight_shapes(self) -> dict:
@@ -82,6 +88,7 @@ class TorchEngine(Engine):
     def load_weights_state(self, state: dict, version: int) -> None:
         with self._lock:
             load_weights_state(self.model, state, f"broadcast v{version}")
+            self._runner = None
             self.policy_version = version
 
     def request_interrupt(self, loader: Loader, recompute: bool = True) -> None:
@@ -126,7 +133,19 @@ class TorchEngine(Engine):
             return False
         with self._lock:
             self.policy_version = loader()
+            self._runner = None
         return True
+
+    @property
+    def runner(self) -> torch.nn.Module:
+        """The model that generates: :attr:`model`, or its int8 copy (rebuilt here after a weight load)."""
+        if self.quantization == "none":
+            return self.model
+        if self._runner is None:
+            from rollout_service.quantize import int8_runner
+
+            self._runner = int8_runner(self.model)
+        return self._runner
 
     # ------------------------------------------------------------------ generation
 
@@ -158,7 +177,7 @@ class TorchEngine(Engine):
             ids[i, width - len(s):] = torch.tensor(s)
             attn[i, width - len(s):] = 1
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=DynamicCache(),
+        out = self.runner(input_ids=ids, attention_mask=attn, position_ids=pos, cache=DynamicCache(),
                          use_cache=True, logits_to_keep=1)
         lengths = torch.tensor([len(s) for s in seqs])
         return out.past_key_values, out.logits[:, -1].float(), attn, lengths
@@ -220,6 +239,7 @@ class TorchEngine(Engine):
             if loader is not None:  # interrupt: new weights, recompute the cache of the live sequences
                 version = loader()
                 self.policy_version = version
+                self._runner = None
                 self.interrupts += 1
                 for row in active:
                     spans[row][-1] = spans[row][-1].model_copy(update={"end": len(tokens[row])})
@@ -228,7 +248,7 @@ class TorchEngine(Engine):
                     cache, logits, attn, next_pos = self._prefill([prompts[rows[row]] + tokens[row] for row in active])
                     continue
             attn = torch.cat([attn, torch.ones(len(active), 1, dtype=attn.dtype)], dim=1)
-            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+            out = self.runner(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
                              cache=cache, use_cache=True)
             cache, logits, next_pos = out.past_key_values, out.logits[:, -1].float(), next_pos + 1
         samples = []

@@ -557,7 +557,7 @@ class Metrics(Record):
         return v if all(math.isfinite(x) for x in v.values()) else {k: x for k, x in v.items() if math.isfinite(x)}
 
 
-DropReason = Literal["stale", "failed", "superseded_unsolved", "domain_paused", "circuit_open"]
+DropReason = Literal["stale", "failed", "superseded_unsolved", "unsolved", "domain_paused", "circuit_open"]
 """Why the trainer did not train a complete (or failed) group: see :class:`GroupDropped`."""
 
 
@@ -573,10 +573,13 @@ class GroupDropped(Record):
     - ``failed``: a sample was an infrastructure error or its generation failed or was aborted.
     - ``superseded_unsolved``: an unsolved group set aside for its larger re-sample
       (``scheduler.resample_unsolved``); the slot comes back only if no re-sample was written.
+    - ``unsolved``: with re-sampling on, an unsolved group that gets no re-sample (a re-sample itself, or a
+      group as large): every advantage is 0, so it would train only the KL term at the cost of a full pass.
     - ``domain_paused``, ``circuit_open``: the domain stopped training while the group was in flight.
     """
 
     SCHEMA: ClassVar[str] = "flywheel.GroupDropped"
+    VERSION: ClassVar[int] = 2
     group_id: str
     reason: DropReason
     policy_version: int = Field(ge=0)

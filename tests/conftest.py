@@ -23,6 +23,19 @@ def broker():
 
 
 @pytest.fixture
+def float32_numerics(monkeypatch):
+    """``auto`` precision resolves to float32 in this test, whatever the CPU (``FLYWHEEL_NATIVE_BF16=0``): for tests
+    that compare the trainer's or the engine's numbers with a float32 or float64 reference. The per-process
+    probe is cleared before and after."""
+    from shared.precision import ENV, probe_bf16
+
+    monkeypatch.setenv(ENV, "0")
+    probe_bf16.cache_clear()
+    yield
+    probe_bf16.cache_clear()
+
+
+@pytest.fixture
 def kafka_cfg(broker) -> KafkaConfig:
     """Kafka settings for the session broker (2 partitions to keep tests quick)."""
     return KafkaConfig(bootstrap_servers=broker.bootstrap_servers, partitions=2)

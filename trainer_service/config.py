@@ -1,10 +1,12 @@
 """Configuration of the trainer service (section ``trainer``)."""
 
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.config import BudgetConfig, Settings, WeightsConfig, moved_keys
+from shared.precision import FlagChoice, Precision, choose
 from trainer_service.losses.config import GRPOLossConfig, LossConfig
 
 MOVED: dict[str, str] = {
@@ -16,6 +18,15 @@ MOVED: dict[str, str] = {
 }
 """Keys that were ``trainer.<key>`` and where they live now (the loss fields under ``loss``, with its
 ``kind``: ``loss: {kind: grpo, clip_eps: 0.2}``)."""
+
+
+def resolve_precision(cfg: "TrainerConfig", device: str = "cpu") -> tuple["TrainerConfig", dict[str, Precision]]:
+    """``cfg`` with ``autocast_bf16`` and ``output_bf16`` decided for ``device`` (``auto`` becomes a bool,
+    :func:`shared.precision.choose`: logged with its reason, and a warning with the measured slowdown for an
+    explicit bf16 on a CPU that emulates it), and the two decisions by setting name."""
+    log = logging.getLogger("trainer")
+    dec = {k: choose(f"trainer.{k}", getattr(cfg, k), device, logger=log) for k in ("autocast_bf16", "output_bf16")}
+    return cfg.model_copy(update={k: p.bf16 for k, p in dec.items()}), dec
 
 
 class TrainerConfig(BaseModel):
@@ -79,8 +90,10 @@ class TrainerConfig(BaseModel):
     for short sequences on a CPU: a main-job SmolLM2 step (prompts of about 40 tokens, completions of ≤ 24) took
     about 0.6 s less of 6-7 s than with ``sdpa``, whose CPU flash kernel spent 11 ms per call there; ``sdpa``
     keeps memory linear in the length for long ones."""
-    autocast_bf16: bool = False
-    """Run the transformer body under CPU/GPU bf16 autocast (float32 master weights and AdamW state); the
+    autocast_bf16: FlagChoice = "auto"
+    """``auto`` (on where the device runs bf16 natively: AVX512_BF16 or AMX on a CPU, bf16 on a CUDA GPU; off
+    elsewhere, where bf16 is emulated and 50x slower; ``shared/precision.py``), or true/false.
+    Run the transformer body under CPU/GPU bf16 autocast (float32 master weights and AdamW state); the
     log-softmax stays float32, and so does the output layer unless ``output_bf16``. The KL reference model is a
     bf16 copy (``trainer_service.trainer.reference_model``). Pair it with ``loss.off_policy: decoupled``: bf16
     log-probs differ from the behaviour log-probs by numerical noise (``mismatch/onpolicy_abs_logp_diff``,
@@ -88,8 +101,8 @@ class TrainerConfig(BaseModel):
     takes for policy change. Measured on 2 cores: a SmolLM2 trainer step about 1.25x faster alone; the main job
     in 0.70x the wall time of fp32, held-out accuracy within 0.04 at steps 20 and 30 over 2 seeds (README,
     "bf16")."""
-    output_bf16: bool = False
-    """Compute the output layer's matmuls (forward and backward, ``[tokens, 576] @ [576, 49152]`` for SmolLM2) in
+    output_bf16: FlagChoice = "auto"
+    """``auto`` (as ``autocast_bf16``), or true/false. Compute the output layer's matmuls (forward and backward, ``[tokens, 576] @ [576, 49152]`` for SmolLM2) in
     bf16 on the CPU's matrix units; the log-sum-exp, the log-probs and the entropy stay float32, the master
     weights float32 (``trainer_service/token_logprobs.py``). bf16 logits round at a relative 2⁻⁹, as the
     rollout's bf16 engine rounds its own: watch ``mismatch/onpolicy_abs_logp_diff``. With ``autocast_bf16``

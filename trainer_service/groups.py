@@ -19,6 +19,7 @@ from shared.schemas import ScoredTrajectory
 Partition = tuple[str, int]  # (topic, partition)
 
 DROP_REASONS = {"dropped_stale": "stale", "dropped_failed": "failed", "superseded_unsolved": "superseded_unsolved",
+                "dropped_unsolved": "unsolved",
                 "dropped_circuit_open": "circuit_open", "dropped_domain_paused": "domain_paused"}
 """Counter name of each way a group leaves the buffer untrained -> ``GroupDropped.reason``."""
 
@@ -99,7 +100,10 @@ class GroupBuffer:
         resample_unsolved: ``budget.resample_unsolved``. When > 0, a complete group smaller than
             this that is :attr:`Group.unsolved` is set aside (counted ``superseded_unsolved``), never
             trained: the scheduler has sent a larger group of the same task in its place, outside
-            its issue budget, so the trainer still gets ``batch_groups`` groups for every step.
+            its issue budget, so the trainer still gets ``batch_groups`` groups for every step. An
+            unsolved group of this size or larger (the re-sample) is dropped (``dropped_unsolved``,
+            announced ``unsolved``; its slot comes back and the scheduler issues another group): its
+            advantages are all 0, and the rows of a step go to groups that teach.
     """
 
     def __init__(self, max_staleness: int, done_groups: set[str] | None = None, resample_unsolved: int = 0) -> None:
@@ -143,8 +147,11 @@ class GroupBuffer:
             return
         if group.complete:
             group = self.partial.pop(gid)
-            if resample_wanted(group.size, self.resample_unsolved) and group.unsolved:
-                self._finish(group, "superseded_unsolved")  # its re-sample trains in its place
+            if self.resample_unsolved and group.unsolved:
+                # a smaller group is superseded by its re-sample, which trains in its place; the re-sample (or a
+                # group as large) teaches nothing when unsolved too: all advantages 0, only the KL term would train
+                self._finish(group, "superseded_unsolved" if resample_wanted(group.size, self.resample_unsolved)
+                             else "dropped_unsolved")
             else:
                 self.ready.append(group)
 
@@ -192,13 +199,29 @@ class GroupBuffer:
         self.ready = keep
         return dropped
 
-    def take(self, n: int, prefer_informative: bool = False) -> list[Group]:
+    def take(self, n: int, prefer_informative: bool = False, max_samples: int | None = None) -> list[Group]:
         """Remove and return ``n`` ready groups (fewer if not enough): the oldest, or with
         ``prefer_informative`` the oldest groups whose rewards differ, then the oldest others.
+
+        With ``max_samples``, a group that would take the step past that many samples (rows) is passed over
+        and stays ready for a later step (counted ``deferred_groups``); the first group in that order is
+        always taken, so a step never waits on a group larger than the bound.
 
         They stay held (records skipped, offsets not released) until :meth:`mark_trained`.
         """
         order = sorted(range(len(self.ready)), key=lambda i: (prefer_informative and self.ready[i].zero_variance, i))
+        if max_samples is not None:
+            kept, rows = [], 0
+            for i in order:
+                if len(kept) == n:
+                    break
+                size = len(self.ready[i].samples)
+                if kept and rows + size > max_samples:
+                    self.counters["deferred_groups"] += 1
+                    continue
+                kept.append(i)
+                rows += size
+            order = kept
         picked = set(order[:n])
         out = [self.ready[i] for i in sorted(picked)]
         self.ready = [g for i, g in enumerate(self.ready) if i not in picked]

@@ -412,7 +412,9 @@ class TrainLoop:
         wait_s = time.perf_counter() - self.last_step_end
         # with oversampling (budget.oversample > 1) the scheduler issues more groups than a step takes:
         # pick those whose rewards differ first; the rest wait for the next step or go stale (counted)
-        groups = buffer.take(budget.batch_groups, prefer_informative=budget.oversample > 1)
+        # a bounded step: re-samples of unsolved groups are 3x larger, so rows are capped (budget.max_step_samples)
+        cap = budget.max_step_samples or 2 * budget.batch_groups * min(len(g.samples) for g in buffer.ready)
+        groups = buffer.take(budget.batch_groups, prefer_informative=budget.oversample > 1, max_samples=cap)
         start_ns = time.time_ns()
         metrics = await asyncio.to_thread(trainer.train_step, groups)
         self.traces.trained(groups, trainer.step, trainer.version, start_ns, time.time_ns())
@@ -435,7 +437,7 @@ class TrainLoop:
         metrics["time/update_gate_s"] = trainer.gate_wait_s
         metrics["time/wait_for_data_s"] = wait_s
         for k in ("dropped_stale", "dropped_failed", "dropped_circuit_open", "dropped_domain_paused",
-                  "duplicates_skipped", "superseded_unsolved"):
+                  "duplicates_skipped", "superseded_unsolved", "dropped_unsolved", "deferred_groups"):
             metrics[f"train/{k}_total"] = float(buffer.counters[k])
         metrics["train/trained_groups_total"] = float(buffer.counters["trained_groups"] + len(groups))
         snap = StepSnapshot(groups, weights, state, metrics, trainer.version, trainer.step, gate)

@@ -32,7 +32,7 @@ import torch
 
 from shared.config import BudgetConfig
 from shared.schemas import ScoredTrajectory
-from trainer_service.config import TrainerConfig
+from trainer_service.config import TrainerConfig, resolve_precision
 from trainer_service.groups import Group
 from trainer_service.losses import resolve_loss
 from trainer_service.losses.grpo import aggregate
@@ -314,6 +314,7 @@ class PolicyTrainer:
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, pad_id: int,
                  max_steps: int = BudgetConfig().max_steps) -> None:
         self.model = model
+        cfg, self.precision = resolve_precision(cfg, next(model.parameters()).device.type)
         self.cfg = cfg
         self.pad_id = pad_id
         self.loss = resolve_loss(cfg.loss)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -58,6 +59,12 @@ def test_run_trains_toy_domain_and_reward_rises(tiny, tmp_path):
     assert last > first + 0.15, (first, last, r.stdout[-2000:])
     assert rep["eval"]["before"]["n"] == 16 and rep["eval"]["before"]["policy_version"] == 0
     assert rep["eval"]["after"]["policy_version"] == 25
+    # not a terminal: one progress line per step reached, the precision chosen for this CPU said and reported
+    steps = {int(m) for m in re.findall(r"^step (\d+)/25 ", r.stdout, flags=re.M)}
+    assert 25 in steps and len(steps) >= 5, r.stdout[-2000:]
+    assert set(rep["precision"]) == {"rollout.dtype", "trainer.autocast_bf16", "trainer.output_bf16"}
+    assert all(p["dtype"] in ("float32", "bfloat16") and p["requested"] == "auto" for p in rep["precision"].values())
+    assert "precision: rollout.dtype " in r.stdout
     assert rep["eval"]["after"]["accuracy"] > rep["eval"]["before"]["accuracy"]
     assert all(h["train/staleness_max"] <= 1 for h in hist)
     # genuine learning (the pass rate climbs fast from near 0) trips no breaker; warnings are reported
@@ -67,6 +74,20 @@ def test_run_trains_toy_domain_and_reward_rises(tiny, tmp_path):
     run_dir = Path(rep["run_dir"])
     assert not (run_dir / "flywheel.json").exists()
     assert _procs_under(run_dir) == []
+
+
+def test_a_run_stopped_by_its_timeout_still_writes_its_report(tiny, tmp_path):
+    """``--timeout`` passes mid-training: the command fails, and the report holds the steps reached and why."""
+    report = tmp_path / "report.json"
+    r = _flywheel("run", str(ROOT / "examples/toy.yaml"), "--set", f"model.name={tiny}", "--set",
+                  f"run.dir={tmp_path / 'runs'}", "--set", "budget.max_steps=100000", "--report", str(report),
+                  "--timeout", "45", cwd=tmp_path, check=False)
+    assert r.returncode != 0
+    rep = json.loads(report.read_text())
+    assert rep["interrupted"].startswith("TimeoutError") and rep["steps"] >= 1, (rep.get("interrupted"), r.stdout[-2000:])
+    assert [h["step"] for h in rep["history"]] == list(range(1, rep["steps"] + 1))
+    assert rep["eval"]["after"] is None and "stopped early" in r.stdout
+    assert _procs_under(Path(rep["run_dir"])) == []
 
 
 def test_up_submit_status_supervise_down(tiny, tmp_path):

@@ -6,6 +6,8 @@ from rollout_service.torch_engine import TorchEngine
 from shared.model import build_tiny_model, encode_chat, load_model, load_tokenizer
 from shared.schemas import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("float32_numerics")  # compared with float32/64 references
+
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
@@ -176,3 +178,30 @@ def test_rollout_attention_reaches_the_engine_and_eager_samples_what_sdpa_does(t
         for a, b in zip(a_group, b_group):
             assert a.completion_ids == b.completion_ids
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_an_int8_engine_samples_from_an_int8_copy_rebuilt_after_each_weight_load(tiny_dir, tmp_path):
+    """``quantization: int8``: log-probs are the int8 copy's, and a weight load makes the next generation use an
+    int8 copy of the new weights (a stale copy would serve the old policy). Activation scales are per batch, so
+    a full-sequence forward agrees with the decode steps to about 1e-2, not exactly."""
+    from rollout_service.quantize import int8_runner
+
+    eng = TorchEngine(load_model(tiny_dir), load_tokenizer(tiny_dir), seed=1, quantization="int8")
+    prompt = encode_chat(eng.tokenizer, [{"role": "user", "content": "hi"}])
+    req = [GenerationRequest(prompt, 2, SamplingParams(max_new_tokens=6, temperature=1.0))]
+
+    def scored(model, s) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + s.completion_ids])).logits[0, len(prompt) - 1:-1]
+        return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]
+
+    s = eng.generate(req)[0][0]
+    assert eng.runner is not eng.model
+    torch.testing.assert_close(torch.tensor(s.logprobs), scored(eng.runner, s), atol=3e-2, rtol=0)
+    other = load_model(build_tiny_model(tmp_path / "other", seed=7))
+    eng.load_weights_state(other.state_dict(), version=3)
+    s = eng.generate(req)[0][0]
+    assert s.versions[0].version == 3
+    torch.testing.assert_close(torch.tensor(s.logprobs), scored(int8_runner(other), s), atol=3e-2, rtol=0)
+    stale = scored(int8_runner(load_model(tiny_dir)), s)
+    assert (torch.tensor(s.logprobs) - stale).abs().max() > 0.2

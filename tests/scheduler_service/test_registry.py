@@ -277,3 +277,16 @@ def test_a_superseded_unsolved_group_keeps_its_slot_only_while_a_resample_holds_
     assert reg.record_drop("v:0", "superseded_unsolved") == "v:0"
     assert reg.record_reward(_ev_n("v:0", 1, 2), resample_n=6).resample is None
     assert reg.train_group_counts()[0] == 0
+
+
+def test_an_unsolved_resample_gives_its_originals_slot_back(reg):
+    """The trainer drops a re-sample that came back unsolved too (``unsolved``: all advantages 0): the original's
+    slot comes back, so the scheduler issues another group in its place."""
+    reg.register_tasks([_task("w")])
+    reg.issue_train_groups(["w"], deadline_s=60)
+    reg.record_reward(_ev_n("w:0", 0, 2))
+    assert reg.record_reward(_ev_n("w:0", 1, 2), resample_n=6).resample.group_id == "w:1"
+    assert reg.record_drop("w:0", "superseded_unsolved") is None and reg.train_group_counts()[0] == 1
+    assert reg.record_drop("w:1", "unsolved") == "w:0"
+    assert reg.train_group_counts()[0] == 0 and reg.get_group("w:0")["dropped"] == "resample_unsolved"
+    assert reg.dropped_counts() == {"unsolved": 1, "resample_unsolved": 1}

@@ -27,6 +27,8 @@ LOSSES = ["grpo", "bnpo", "dr_grpo", "dapo", "rloo", "gspo"]
 
 # ---------------------------------------------------------------- advantages
 
+pytestmark = pytest.mark.usefixtures("float32_numerics")  # compared with float32/64 references
+
 
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
 def test_equal_rewards_give_exact_zero_advantages(estimator):

@@ -14,6 +14,8 @@ from trainer_service.trainer import PolicyTrainer, collate, completion_logprobs
 
 from .test_trainer import scored
 
+pytestmark = pytest.mark.usefixtures("float32_numerics")  # compared with float32/64 references
+
 
 def test_mismatch_sums_match_a_hand_computation():
     lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, 0.0]])

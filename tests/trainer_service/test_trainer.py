@@ -13,6 +13,8 @@ from trainer_service.trainer import PASS_COST_TOKENS, PolicyTrainer, collate, co
 TASK = Task(task_id="t", domain="toy", prompt=[{"role": "user", "content": "q"}],
             verifier={"kind": "regex", "pattern": "^a"})
 
+pytestmark = pytest.mark.usefixtures("float32_numerics")  # compared with float32/64 references
+
 
 def scored(gid, i, size=4, reward=1.0, version=0, comp=(5, 6, 7), lps=None, finish="stop", infra=False, mask=None,
            prompt=None):
@@ -212,24 +214,47 @@ def test_take_prefers_groups_whose_rewards_differ_when_asked():
     assert [g.group_id for g in buf2.take(1)] == ["flat0"]  # default: arrival order
 
 
+def test_a_step_is_bounded_in_samples_whatever_the_groups():
+    """``max_samples``: groups oldest first, passing over (and keeping for the next step) those that would take
+    the step past the bound; the first group is always taken, and without a bound nothing changes."""
+    buf = GroupBuffer(max_staleness=1)
+    for gid, n in (("r1", 6), ("r2", 6), ("a", 2), ("r3", 6), ("b", 2), ("c", 2)):
+        fill(buf, gid, [1] + [0] * (n - 1))
+    step = buf.take(4, max_samples=16)
+    assert [g.group_id for g in step] == ["r1", "r2", "a", "b"] and sum(g.size for g in step) == 16
+    assert [g.group_id for g in buf.ready] == ["r3", "c"] and buf.counters["deferred_groups"] == 1
+    assert [g.group_id for g in buf.take(4, max_samples=4)] == ["r3"]  # larger than the bound: alone
+    assert [g.group_id for g in buf.take(4, max_samples=4)] == ["c"]
+    free = GroupBuffer(max_staleness=1)
+    for gid, n in (("r1", 6), ("r2", 6), ("r3", 6), ("a", 2)):
+        fill(free, gid, [1] + [0] * (n - 1))
+    assert sum(g.size for g in free.take(4)) == 20
+
+
 def test_unsolved_groups_are_set_aside_for_their_resample():
     """``resample_unsolved: 6``: a complete group of 2 with no pass and equal rewards never trains (the
     scheduler sent a 6-sample group of its task in its place); solved, mixed, penalised-but-differing
-    and 6-sample groups do, and nothing is set aside when the option is off."""
+    and 6-sample groups that found a pass do (an unsolved 6-sample one is dropped ``unsolved``), and nothing is
+    set aside when the option is off."""
     buf = GroupBuffer(max_staleness=1, resample_unsolved=6)
     fill(buf, "zero", [0, 0])
     fill(buf, "neg", [-0.5, -0.5])  # equal rewards below the pass mark: unsolved too
     fill(buf, "solved", [1, 1])
     fill(buf, "mixed", [0, 0.5])
-    fill(buf, "resample", [0] * 6)  # the re-sample itself trains (here: zero advantage)
+    fill(buf, "resample", [0, 1, 0, 0, 0, 0])  # a re-sample that found a pass trains
+    fill(buf, "resample_unsolved", [0] * 6)  # one that did not is dropped: its advantages are all 0
     buf.add(scored("partial", 0, size=2, reward=0), ("s", 0), 9_999)
     assert [g.group_id for g in buf.ready] == ["solved", "mixed", "resample"]
     assert buf.counters["superseded_unsolved"] == 2 and {"zero", "neg"} <= buf.done_groups
+    assert buf.counters["dropped_unsolved"] == 1 and "resample_unsolved" in buf.done_groups
+    assert [(d.group_id, d.reason) for d in buf.take_drops()][-1] == ("resample_unsolved", "unsolved")
     fill(buf, "zero", [0, 0])  # a redelivery is skipped, not set aside again
     assert buf.counters["superseded_unsolved"] == 2 and buf.counters["duplicates_skipped"] == 2
     off = GroupBuffer(max_staleness=1)
     fill(off, "zero", [0, 0])
-    assert [g.group_id for g in off.ready] == ["zero"] and not off.counters["superseded_unsolved"]
+    fill(off, "big", [0] * 6)
+    assert [g.group_id for g in off.ready] == ["zero", "big"] and not off.counters["superseded_unsolved"]
+    assert not off.counters["dropped_unsolved"]
 
 
 def test_every_group_left_untrained_is_reported_once_with_its_reason():

@@ -52,6 +52,8 @@ TASK = Task(task_id="t", domain="toy", prompt=[{"role": "user", "content": "q"}]
 REWARDS = ([1.0, 0.0, 0.0, 1.0], [0.5, 0.0, 1.0, 0.2])
 LENGTHS = ([3, 7, 2, 9], [5, 4, 8, 6])
 
+pytestmark = pytest.mark.usefixtures("float32_numerics")  # compared with float32/64 references
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

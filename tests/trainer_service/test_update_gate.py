@@ -16,6 +16,8 @@ from trainer_service.trainer import PolicyTrainer
 
 from .test_trainer_service import _produce, _scored, _with_trainer, setup  # noqa: F401 - the fixture
 
+pytestmark = pytest.mark.usefixtures("float32_numerics")  # compared with float32/64 references
+
 
 @pytest.mark.kafka
 async def test_the_next_step_waits_for_the_previous_versions_files(setup, read_topic, monkeypatch):  # noqa: F811
