@@ -266,6 +266,11 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an extra config override for the flywheel arms (e.g. kafka.fetch_max_wait_ms=100)")
     args = ap.parse_args()
+    from shared.precision import probe_bf16
+
+    support = probe_bf16()
+    best = "bf16" if support.native else "fp32"  # what `auto` picks here: the ratio that counts on this machine
+    print(f"best dtype on this machine: {best} ({support.reason})", flush=True)
     sec: dict[str, float] = {}
     """Mean seconds per step over the steady steps."""
     med: dict[str, float] = {}
@@ -293,6 +298,12 @@ def main() -> None:
             if base in sec and not (base == "plain_bf16" and "bf16" not in arm):
                 print(f"ratio {arm} / {base}: {sec[arm] / sec[base]:.2f}x (baseline {sec[base]:.2f} s/step"
                       f"{', target <= %.2fx' % target if not arm.endswith('_kl') else ''})")
+
+
+    plain_best, fly_best = ("plain_bf16", "flywheel_bf16") if best == "bf16" else ("plain", "flywheel")
+    if plain_best in sec and fly_best in sec:
+        print(f"best dtype ({best}): {fly_best} / {plain_best}: {sec[fly_best] / sec[plain_best]:.2f}x "
+              f"(baseline {sec[plain_best]:.2f} s/step, target <= 0.50x)")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,13 +22,16 @@ from rollout_service.batching import Headers
 from rollout_service.engine import Sample
 from rollout_service.tool_loop import Rollout
 from shared import kafka, topics
-from shared.schemas import RolloutRequest, Trajectory, VersionSpan
+from shared.schemas import Attestation, RolloutRequest, Trajectory, VersionSpan
 from shared.telemetry import extract_context, inject_headers
 
 if TYPE_CHECKING:
     from rollout_service.metrics import RolloutMetrics
 
 log = logging.getLogger("rollout")
+
+Attest = Callable[[list[int]], Attestation | None]
+"""The engine's :meth:`~rollout_service.engine.Engine.attestation`: canary scores for the given versions."""
 
 
 @dataclass
@@ -153,9 +157,10 @@ class RolloutStats:
                              "rollout/tool_seconds_per_sample": self.tool_seconds / n})
 
 
-def make_trajectory(group: Group, i: int, tokenizer) -> Trajectory:
+def make_trajectory(group: Group, i: int, tokenizer, attest: Attest | None = None) -> Trajectory:
     """Sample ``i`` of ``group`` as a Trajectory (id ``<group_id>:<attempt>:<i>``; the text is the
-    completion decoded without special tokens).
+    completion decoded without special tokens), with ``attest``'s attestation for the versions of its spans
+    (:meth:`rollout_service.engine.Engine.attestation`; none without it).
 
     Raises:
         pydantic.ValidationError: ids, log-probs and mask differ in length.
@@ -167,12 +172,12 @@ def make_trajectory(group: Group, i: int, tokenizer) -> Trajectory:
         prompt_ids=group.prompt_ids, completion_ids=c.ids, completion_logprobs=c.logprobs, loss_mask=c.mask,
         completion_text=tokenizer.decode(c.ids, skip_special_tokens=True), finish_reason=c.finish_reason,
         error=c.error, policy_versions=c.versions, temperature=req.sampling.temperature, timings=group.timings,
-        turns=c.turns, cost=c.cost,
+        turns=c.turns, cost=c.cost, attestation=attest([v.version for v in c.versions]) if attest else None,
     )
 
 
 async def publish(producer: AIOKafkaProducer, tokenizer, groups: list[Group], policy_version: int,
-                  stats: RolloutStats) -> None:
+                  stats: RolloutStats, attest: Attest | None = None) -> None:
     """Send one Trajectory per completion of every group to flywheel.trajectories, then wait for all
     the acks (the caller commits the requests after this returns).
 
@@ -206,7 +211,7 @@ async def publish(producer: AIOKafkaProducer, tokenizer, groups: list[Group], po
                                           start_time=picked_ns):
             headers = inject_headers()
             for i, c in enumerate(g.completions):
-                traj = make_trajectory(g, i, tokenizer)
+                traj = make_trajectory(g, i, tokenizer, attest)
                 value = traj.encode()
                 size = kafka.record_size(value, key, headers)
                 if limit is not None and size > limit:

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shared.schemas import SamplingParams, VersionSpan, WeightUpdate
+from shared.schemas import Attestation, SamplingParams, VersionSpan, WeightUpdate
 
 
 @dataclass
@@ -89,6 +89,11 @@ class Engine(abc.ABC):
         """Load ``update`` between two decode steps of the running generation (or before the next one) and
         continue with it; returns False when the engine cannot (it then loads between batches)."""
         return False
+
+    def attestation(self, versions: list[int]) -> Attestation | None:
+        """The engine's canary scores for ``versions`` (those it generated with; ``shared/canary.py``), to ride
+        on the trajectories; ``None`` (the default) for an engine that does not score the canary."""
+        return None
 
     def close(self) -> None:
         """Release resources (default: nothing)."""

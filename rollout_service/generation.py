@@ -109,7 +109,7 @@ class BatchGenerator:
             samples = next(generated) if ok else self._refused(r, len(p))
             groups.append(Group(r, h, p, [Completion.from_sample(s) for s in samples],
                                 {"queue": max(0.0, picked - r.issued_at), "generate": gen_s}))
-        await publish(self.producer, self.tokenizer, groups, engine.policy_version, self.stats)
+        await publish(self.producer, self.tokenizer, groups, engine.policy_version, self.stats, engine.attestation)
         self.stats.generate_s += gen_s
         log.info("generated %d requests (%d samples) at policy version %d in %.2f s", len(reqs),
                  sum(r.n for r in reqs), engine.policy_version, gen_s)
@@ -138,7 +138,7 @@ class BatchGenerator:
         timings = {"queue": max(0.0, picked - r.issued_at), "generate": time.perf_counter() - t0}
         version = self.engine.policy_version
         group = Group(r, headers, prompt, [Completion.from_rollout(ro, version) for ro in rollouts], timings)
-        await publish(self.producer, self.tokenizer, [group], version, self.stats)
+        await publish(self.producer, self.tokenizer, [group], version, self.stats, self.engine.attestation)
         self.stats.generate_s += time.perf_counter() - t0
         log.info("group %s: %d samples, %d tool rounds, %d tokens generated", r.group_id, r.n,
                  sum(ro.tool_rounds for ro in rollouts), sum(ro.generated_tokens for ro in rollouts))

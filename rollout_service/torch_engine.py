@@ -20,15 +20,18 @@ greedy at T = 0 with the raw log-probs.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from typing import Callable
 
 import torch
 
 from rollout_service.engine import Engine, GenerationRequest, Sample
+from shared.canary import canary_logprobs, canary_tokens
 from shared.checkpoint import load_weights, load_weights_state, snapshot_weights
-from shared.schemas import VersionSpan, WeightUpdate
+from shared.schemas import Attestation, CanaryScore, VersionSpan, WeightUpdate
 
 log = logging.getLogger("rollout.torch")
 
@@ -51,6 +54,9 @@ class TorchEngine(Engine):
         """``none`` (generate with :attr:`model`) or ``int8`` (with an int8 copy of it rebuilt after each weight
         load: :mod:`rollout_service.quantize`)."""
         self._runner: torch.nn.Module | None = None  # the int8 copy, None when stale or not quantizing
+        self.engine_id = f"{socket.gethostname()}:{os.getpid()}"
+        self._canary_ids = canary_tokens(tokenizer)
+        self._canary: OrderedDict[int, list[float]] = OrderedDict()  # version -> its canary log-probs (newest last)
         self.tokenizer = tokenizer
         self.eos_ids = self._eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -79,8 +85,7 @@ class TorchEngine(Engine):
     def update_weights(self, update: WeightUpdate) -> None:
         with self._lock:
             load_weights(self.model, update)
-            self._runner = None
-            self.policy_version = update.version
+            self._loaded(update.version)
 
     def weight_shapes(self) -> dict:
         return {k: torch.empty(v.shape, dtype=v.dtype) for k, v in snapshot_weights(self.model).items()}
@@ -88,8 +93,7 @@ class TorchEngine(Engine):
     def load_weights_state(self, state: dict, version: int) -> None:
         with self._lock:
             load_weights_state(self.model, state, f"broadcast v{version}")
-            self._runner = None
-            self.policy_version = version
+            self._loaded(version)
 
     def request_interrupt(self, loader: Loader, recompute: bool = True) -> None:
         """Have the running (or next) generation call ``loader`` between two decode steps, then continue
@@ -132,9 +136,39 @@ class TorchEngine(Engine):
         if loader is None:
             return False
         with self._lock:
-            self.policy_version = loader()
-            self._runner = None
+            self._loaded(loader())
         return True
+
+    def _loaded(self, version: int) -> None:
+        """New weights are in :attr:`model` as policy ``version``: the int8 copy and any canary scoring of that
+        version number are stale; the canary is scored anew under them."""
+        self.policy_version = version
+        self._runner = None
+        self._canary.pop(version, None)
+        self._score_canary()
+
+    CANARY_VERSIONS = 16
+    """Canary scorings kept (the newest versions generated with; a trajectory spans one to a few of them)."""
+
+    @property
+    def precision(self) -> str:
+        """The numeric kind of the generating weights: ``int8``, or the model's dtype (``float32``, ``bfloat16``)."""
+        return "int8" if self.quantization == "int8" else str(next(self.model.parameters()).dtype).removeprefix(
+            "torch.")
+
+    def _score_canary(self) -> None:
+        """Score the canary under the weights about to generate (once per policy version; a few ms). Called with
+        the lock held, before the first decode step of a version."""
+        if self.policy_version in self._canary:
+            return
+        self._canary[self.policy_version] = canary_logprobs(self.runner, *self._canary_ids)
+        while len(self._canary) > self.CANARY_VERSIONS:
+            self._canary.popitem(last=False)
+
+    def attestation(self, versions: list[int]) -> Attestation:
+        return Attestation(engine=self.engine_id, precision=self.precision,
+                           canary=[CanaryScore(version=v, logprobs=self._canary[v]) for v in dict.fromkeys(versions)
+                                   if v in self._canary])
 
     @property
     def runner(self) -> torch.nn.Module:
@@ -195,6 +229,7 @@ class TorchEngine(Engine):
         prompts = [list(p) for p in uniq]
         rows = [uniq[tuple(r.prompt_ids)] for r in reqs for _ in range(r.n)]
         n_rows = len(rows)
+        self._score_canary()
         cache, logits, attn, lengths = self._prefill(prompts)
         index = torch.tensor(rows)
         cache.batch_select_indices(index)
@@ -238,8 +273,7 @@ class TorchEngine(Engine):
             loader, recompute = self._take_pending()
             if loader is not None:  # interrupt: new weights, recompute the cache of the live sequences
                 version = loader()
-                self.policy_version = version
-                self._runner = None
+                self._loaded(version)
                 self.interrupts += 1
                 for row in active:
                     spans[row][-1] = spans[row][-1].model_copy(update={"end": len(tokens[row])})

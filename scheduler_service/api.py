@@ -49,6 +49,16 @@ def create_app(config: SchedulerSettings, state: SchedulerState) -> FastAPI:
               metrics.router, system.router):
         app.include_router(r)
     install_validation_handler(app)
+
+    @app.middleware("http")
+    async def wake_sampler(request, call_next):
+        """A mutating request (new tasks, an eval round, a domain change, a control) may give the sampler work:
+        wake its issue loop once the request is answered rather than at its next timed pass."""
+        response = await call_next(request)
+        if request.method not in ("GET", "HEAD", "OPTIONS") and state.sampler is not None:
+            state.sampler.wake()
+        return response
+
     app.add_middleware(BodyLimit, max_bytes=config.scheduler.max_body_bytes)
     _add_components(app, tasks.openapi_components())
     return app

@@ -355,8 +355,11 @@ class SchedulerConfig(BaseModel):
     A task the policy only just started to solve is sampled again while it still teaches something."""
     replay_fraction: float = Field(0.5, ge=0.0, le=1.0)
     """Largest share of newly issued groups given to partly solved tasks (``curriculum: learnability``)."""
-    poll_interval_s: float = Field(0.05, gt=0, le=10)
-    """How often the sampler loop looks for capacity (seconds)."""
+    poll_interval_s: float = Field(0.5, gt=0, le=10)
+    """Longest wait between two passes of the sampler's issue loop (seconds): deadlines, breaker timers and the
+    periodic reports are checked at least this often. Any record the scheduler handles (a reward, a drop, a
+    weight version, a control) and any mutating REST request wakes the loop at once, so the issue latency does
+    not depend on it; an idle scheduler took 4-5 % of a core at 0.05 s."""
     seed: int = 0
     """Seed of the task sampler."""
     consumer_group: str = Field("scheduler", min_length=1)

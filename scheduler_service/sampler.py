@@ -132,6 +132,7 @@ class Sampler:
                                 lambda: {d: b.state for d, b in self.guard.monitor.breakers.items()},
                                 lambda: len(self.guard.monitor.active))
         self._stop = asyncio.Event()
+        self._wake = asyncio.Event()  # set by whatever may give the issue loop work: a record handled, a REST change
         self._task: asyncio.Task | None = None
         self._making: asyncio.Task | None = None
         self._starved_at = 0.0
@@ -220,6 +221,22 @@ class Sampler:
         except asyncio.TimeoutError:
             pass
 
+    def wake(self) -> None:
+        """Have the issue loop take its next pass now rather than at ``scheduler.poll_interval_s``: called after
+        every batch of records a consumer loop handled (rewards, drops, weights, control) and after every
+        mutating REST request. Safe from the event loop's thread only."""
+        self._wake.set()
+
+    async def _nap(self, s: float) -> None:
+        """Wait until :meth:`wake`, the stop, or ``s`` seconds, whichever comes first; clears the wake-up."""
+        waits = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(self._stop.wait())]
+        try:
+            await asyncio.wait(waits, timeout=s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        self._wake.clear()
+
     # ------------------------------------------------------------ issuing
 
     async def _issue_loop(self) -> None:
@@ -231,7 +248,8 @@ class Sampler:
             except Exception:
                 log.exception("sampler tick failed; retrying")
                 await self._sleep(1.0)
-            await self._sleep(self.cfg.scheduler.poll_interval_s)
+            # an idle system ticks at poll_interval_s; records and REST changes wake the loop at once
+            await self._nap(self.cfg.scheduler.poll_interval_s)
 
     async def tick(self) -> None:
         """One pass: deadlines, automatic evals, pending re-samples, the guard, the flywheel.metrics reports,
@@ -541,7 +559,7 @@ class Sampler:
         try:
             if on_start is not None:
                 await on_start(consumer)
-            wait_ms = int(self.cfg.scheduler.poll_interval_s * 1000) + 50
+            wait_ms = int(min(self.cfg.scheduler.poll_interval_s, 0.2) * 1000) + 50
             while not self._stop.is_set() and epoch == self.broker_restarts:
                 try:  # bounded: after a broker restart aiokafka can wait for a partition assignment forever
                     batch = await asyncio.wait_for(consumer.getmany(timeout_ms=wait_ms, max_records=500),
@@ -562,6 +580,7 @@ class Sampler:
                     continue
                 if commit:
                     await commit_batch(consumer, batch)
+                self.wake()
         finally:
             await self._close(consumer)
 

@@ -342,13 +342,13 @@ retrying``, and rebuilds its clients (:meth:`BrokerWatch.wait_up`). ``IllegalSta
 
 def unproducible_trajectory(traj: Trajectory, reason: str) -> Trajectory:
     """A small stand-in for a trajectory whose record (or scored result) cannot be produced: the same ids,
-    task and policy versions, no prompt ids, completion or turns, ``finish_reason="error"`` and
+    task and policy versions, no prompt ids, completion, turns or attestation, ``finish_reason="error"`` and
     ``error=reason``. Downstream it is what a failed generation is: the verifier scores it as an
     infrastructure error and the trainer drops its group as ``failed`` (``GroupDropped``), so the
     scheduler gives the group's slot back at once instead of waiting for its deadline."""
     return traj.model_copy(update={
         "prompt_ids": [], "completion_ids": [], "completion_logprobs": [], "loss_mask": [], "completion_text": "",
-        "turns": [], "finish_reason": "error", "error": reason[:2000]})
+        "turns": [], "attestation": None, "finish_reason": "error", "error": reason[:2000]})
 
 
 class BrokerLost(Exception):

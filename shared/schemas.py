@@ -274,6 +274,28 @@ def _check_aligned(rec):
     return rec
 
 
+class CanaryScore(BaseModel):
+    """An engine's log-probs of the canary sequence (``shared/canary.py``) under one policy version."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    version: int = Field(ge=0)
+    logprobs: list[float] = Field(max_length=4096)
+    """Natural log, temperature 1, one per canary completion token."""
+
+
+class Attestation(BaseModel):
+    """What an engine says of the policy it generated with: who it is, its numeric kind, and its canary scores
+    for the versions of the completion's spans. The trainer checks the scores against its own
+    (``trainer_service/canary.py``)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    engine: str = Field(min_length=1, max_length=256)
+    """The rollout replica (``<host>:<pid>``)."""
+    precision: str = Field(min_length=1, max_length=32)
+    """``float32``, ``bfloat16`` or ``int8``: picks the tolerance (``shared.canary.TOLERANCE``)."""
+    canary: list[CanaryScore] = Field(default_factory=list, max_length=64)
+
+
 class Trajectory(_CompletionTokens, Record):
     """flywheel.trajectories, key group_id. Producer: rollout. Consumer: verifier.
 
@@ -310,6 +332,9 @@ class Trajectory(_CompletionTokens, Record):
     (token offsets into the completion) plus ``tool_calls`` and ``seconds`` on tool turns."""
     cost: dict[str, float] = Field(default_factory=dict)
     """Rollout cost: ``generated_tokens``, ``tool_rounds``, ``tool_seconds``."""
+    attestation: Attestation | None = None
+    """The engine's canary scores for the versions of ``policy_versions`` (``None``: an engine without
+    them, e.g. SGLang or null)."""
 
     @model_validator(mode="after")
     def _aligned(self) -> "Trajectory":
@@ -335,7 +360,7 @@ class Reward(BaseModel):
 
 TRAIN_SAMPLE_FIELDS = ("trajectory_id", "group_id", "sample_index", "group_size", "purpose", "attempt",
                        "prompt_ids", "completion_ids", "completion_logprobs", "loss_mask", "finish_reason",
-                       "policy_versions", "temperature")
+                       "policy_versions", "temperature", "attestation")
 """The :class:`Trajectory` fields a :class:`TrainSample` copies as they are (it adds ``task_id`` and ``domain``
 from the task)."""
 
@@ -366,6 +391,8 @@ class TrainSample(_CompletionTokens, BaseModel):
     policy_versions: list[VersionSpan]
     temperature: float = Field(1.0, ge=0.0, le=10.0)
     """Sampling temperature the completion was drawn at (0 = greedy, never trained)."""
+    attestation: Attestation | None = None
+    """:attr:`Trajectory.attestation`: the trainer checks it before training the group."""
 
     @model_validator(mode="after")
     def _aligned(self) -> "TrainSample":
@@ -557,7 +584,8 @@ class Metrics(Record):
         return v if all(math.isfinite(x) for x in v.values()) else {k: x for k, x in v.items() if math.isfinite(x)}
 
 
-DropReason = Literal["stale", "failed", "superseded_unsolved", "unsolved", "domain_paused", "circuit_open"]
+DropReason = Literal["stale", "failed", "superseded_unsolved", "unsolved", "canary", "domain_paused",
+                     "circuit_open"]
 """Why the trainer did not train a complete (or failed) group: see :class:`GroupDropped`."""
 
 
@@ -575,6 +603,8 @@ class GroupDropped(Record):
       (``scheduler.resample_unsolved``); the slot comes back only if no re-sample was written.
     - ``unsolved``: with re-sampling on, an unsolved group that gets no re-sample (a re-sample itself, or a
       group as large): every advantage is 0, so it would train only the KL term at the cost of a full pass.
+    - ``canary``: a sample's engine scored the canary sequence too far from the trainer's weights of that
+      version (``trainer_service/canary.py``): it did not serve the published policy.
     - ``domain_paused``, ``circuit_open``: the domain stopped training while the group was in flight.
     """
 

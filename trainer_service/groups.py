@@ -10,7 +10,7 @@ the buffer drops the ready groups of domains flywheel.control blocks (:meth:`Gro
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 
 from shared.groups import SampleOutcome, is_unsolved, resample_wanted
@@ -19,7 +19,7 @@ from shared.schemas import ScoredTrajectory
 Partition = tuple[str, int]  # (topic, partition)
 
 DROP_REASONS = {"dropped_stale": "stale", "dropped_failed": "failed", "superseded_unsolved": "superseded_unsolved",
-                "dropped_unsolved": "unsolved",
+                "dropped_unsolved": "unsolved", "dropped_canary": "canary",
                 "dropped_circuit_open": "circuit_open", "dropped_domain_paused": "domain_paused"}
 """Counter name of each way a group leaves the buffer untrained -> ``GroupDropped.reason``."""
 
@@ -47,6 +47,8 @@ class Group:
     offsets: list[tuple[Partition, int]] = field(default_factory=list)
     _oldest: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)
     """``(samples seen, their oldest behaviour version)`` when :attr:`behaviour_version` last computed it."""
+    canary_ok: bool | None = field(default=None, init=False, compare=False)
+    """The canary check's verdict once made (``trainer_service/canary.py``; ``None``: not checked yet)."""
 
     @property
     def complete(self) -> bool:
@@ -114,6 +116,8 @@ class GroupBuffer:
         self.ready: list[Group] = []
         self.in_flight: set[str] = set()  # taken for a step, not yet durable
         self.counters: Counter[str] = Counter()
+        self.smallest_group: int | None = None
+        """The fewest samples of any training group received so far (a step's row bound is set from it)."""
         self._pending: dict[Partition, dict[int, str]] = {}  # offset -> group_id, per partition
         self._next: dict[Partition, int] = {}  # highest offset seen + 1
         self._drops: list[Drop] = []  # dropped since the last take_drops()
@@ -135,6 +139,7 @@ class GroupBuffer:
                 self.counters["duplicates_skipped"] += 1
                 return
             group = self.partial[gid] = Group(gid, tr.group_size)
+            self.smallest_group = min(self.smallest_group or tr.group_size, tr.group_size)
         if tr.sample_index in group.samples:
             self.counters["duplicates_skipped"] += 1
             return
@@ -197,6 +202,19 @@ class GroupBuffer:
                 self._finish(g, BLOCK_COUNTERS[reason])
                 dropped += 1
         self.ready = keep
+        return dropped
+
+    def drop_unless(self, keep: Callable[[Group], bool], counter: str) -> int:
+        """Drop every ready group for which ``keep(group)`` is false, counted (and announced) as ``counter``, a key
+        of :data:`DROP_REASONS`; returns how many were dropped."""
+        kept, dropped = [], 0
+        for g in self.ready:
+            if keep(g):
+                kept.append(g)
+            else:
+                self._finish(g, counter)
+                dropped += 1
+        self.ready = kept
         return dropped
 
     def take(self, n: int, prefer_informative: bool = False, max_samples: int | None = None) -> list[Group]:

@@ -47,6 +47,7 @@ from trainer_service.config import TrainerSettings
 from trainer_service.control import ControlState, poll_control, read_control_to_end
 from trainer_service.domain_metrics import domain_metrics
 from trainer_service.groups import Drop, Group, GroupBuffer
+from trainer_service.canary import CanaryCheck
 from trainer_service.metrics import TrainerMetrics
 from trainer_service.null_step import NULL_CHECKSUM, NULL_LEDGER, NullTrainer
 from trainer_service.tracing import GroupTraces
@@ -75,6 +76,7 @@ def build_trainer(config: TrainerSettings) -> tuple[PolicyTrainer, CheckpointSto
     tok = load_tokenizer(model_dir)
     trainer = PolicyTrainer(load_model(model_dir, cfg.dtype, cfg.attention), cfg, tok.pad_token_id,
                             config.budget.max_steps)
+    trainer.canary = CanaryCheck(trainer.model, tok)  # is each engine serving what was published?
     burst = CoreBurst(cfg.torch_threads, cfg.burst_threads)
     for model in (trainer.model, trainer.ref_model):
         if model is not None:
@@ -102,6 +104,7 @@ def build_trainer(config: TrainerSettings) -> tuple[PolicyTrainer, CheckpointSto
             trainer.step, trainer.version = published.step, published.version
             done |= store.trained_groups(published.version)
         log.info("resumed at policy version %d (step %d, %d groups done)", trainer.version, trainer.step, len(done))
+    trainer.canary.record(trainer.version)
     return trainer, store, done
 
 
@@ -289,6 +292,8 @@ class TrainLoop:
         self.last_step_end = self.last_report = time.perf_counter()
         self.pause_logged = False  # the current pause has been reported
         self.traces = GroupTraces()  # each group's trace ends in a train_group span (trained or dropped)
+        self.canary: CanaryCheck | None = getattr(trainer, "canary", None)
+        self.canary_alerted = False  # a run/canary alert is firing
         self.commit_guard: Callable[[Awaitable], Awaitable] | None = None
         """Wraps every commit (the session's :meth:`shared.kafka.BrokerWatch.guard`): raises
         ``shared.kafka.BrokerLost`` when the broker went away since the clients were made, or goes away while the
@@ -311,6 +316,9 @@ class TrainLoop:
         if training:
             buffer.drop_stale(self.trainer.version)
             buffer.drop_blocked(control.blocked, control.drop_groups)
+            if self.canary is not None and buffer.ready:
+                buffer.drop_unless(self._canary_ok, "dropped_canary")
+                await self._canary_alert()
         if buffer.has_drops:
             announced = await _announce_drops(self.producer, buffer, self.trainer.version)
             self.traces.dropped(announced, self.trainer.step, self.trainer.version)
@@ -406,6 +414,37 @@ class TrainLoop:
             log.warning("no step for %.0f s at policy version %d (assigned %s%s): %s", now - self.last_step_end,
                         self.trainer.version, sorted(self.consumer.assignment()), paused, self.buffer.describe())
 
+    def _canary_ok(self, group: Group) -> bool:
+        """The canary check of ``group``, made once (when it is first seen ready) and kept on the group."""
+        if group.canary_ok is None:
+            group.canary_ok = self.canary.check(group).ok
+        return group.canary_ok
+
+    async def _canary_alert(self) -> None:
+        """Send a ``run/canary`` :class:`Alert` (critical, source ``trainer``) when an engine starts failing the
+        canary check, and its ``resolved`` when none fails any more; logged either way. A failed send is logged
+        only (the drops and the ``canary/*`` metrics remain)."""
+        failing = self.canary.failing
+        if bool(failing) == self.canary_alerted:
+            return
+        self.canary_alerted = bool(failing)
+        worst = max(failing.values(), default=0.0)
+        if failing:
+            msg = (f"engines {sorted(failing)} scored the canary up to {worst:.3f} nats/token away from the "
+                   f"published weights: their groups are not trained until they pass again")
+            log.error(msg)
+        else:
+            msg = "every engine passes the canary check again"
+            log.warning(msg)
+        alert = Alert(source="trainer", signal="canary", status="firing" if failing else "resolved",
+                      severity="critical", value=worst, window=0, window_unit="steps",
+                      policy_version=self.trainer.version, message=msg[:4096],
+                      details={"engines": sorted(failing)})
+        try:
+            await (await kafka.send(self.producer, topics.ALERTS, alert, alert.key))
+        except Exception as e:  # noqa: BLE001 - the broker may be the trouble too; the log line stands
+            log.warning("could not send the canary alert (%r)", e)
+
     async def _step(self) -> None:
         """Train one step now; its publication runs in the background after the previous one's."""
         trainer, buffer, budget = self.trainer, self.buffer, self.config.budget
@@ -413,10 +452,13 @@ class TrainLoop:
         # with oversampling (budget.oversample > 1) the scheduler issues more groups than a step takes:
         # pick those whose rewards differ first; the rest wait for the next step or go stale (counted)
         # a bounded step: re-samples of unsolved groups are 3x larger, so rows are capped (budget.max_step_samples)
-        cap = budget.max_step_samples or 2 * budget.batch_groups * min(len(g.samples) for g in buffer.ready)
+        cap = budget.max_step_samples or 2 * budget.batch_groups * (buffer.smallest_group or 1)
         groups = buffer.take(budget.batch_groups, prefer_informative=budget.oversample > 1, max_samples=cap)
         start_ns = time.time_ns()
         metrics = await asyncio.to_thread(trainer.train_step, groups)
+        if self.canary is not None:  # the new version's own scoring, before the next step changes the weights
+            await asyncio.to_thread(self.canary.record, trainer.version)
+            metrics.update(self.canary.take_metrics())
         self.traces.trained(groups, trainer.step, trainer.version, start_ns, time.time_ns())
         t0 = time.perf_counter()
         done = buffer.done_groups | buffer.in_flight  # includes earlier steps still being saved
@@ -437,7 +479,7 @@ class TrainLoop:
         metrics["time/update_gate_s"] = trainer.gate_wait_s
         metrics["time/wait_for_data_s"] = wait_s
         for k in ("dropped_stale", "dropped_failed", "dropped_circuit_open", "dropped_domain_paused",
-                  "duplicates_skipped", "superseded_unsolved", "dropped_unsolved", "deferred_groups"):
+                  "duplicates_skipped", "superseded_unsolved", "dropped_unsolved", "dropped_canary", "deferred_groups"):
             metrics[f"train/{k}_total"] = float(buffer.counters[k])
         metrics["train/trained_groups_total"] = float(buffer.counters["trained_groups"] + len(groups))
         snap = StepSnapshot(groups, weights, state, metrics, trainer.version, trainer.step, gate)

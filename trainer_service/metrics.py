@@ -44,7 +44,7 @@ class TrainerMetrics(ServiceMetrics):
                                    "step trained from minus the sample's behaviour version.", buckets=VERSIONS,
                                    registry=r)
         self.groups_dropped = Counter("flywheel_trainer_groups_dropped", "Groups announced on flywheel.group_drops, "
-                                      "by reason (stale, failed, superseded_unsolved, unsolved, circuit_open, domain_paused).",
+                                      "by reason (stale, failed, superseded_unsolved, unsolved, canary, circuit_open, domain_paused).",
                                       ["reason"], registry=r)
         self.samples_trained = Counter("flywheel_trainer_samples_trained", "Samples of the groups a published step "
                                        "trained, by domain.", ["domain"], registry=r)

@@ -314,6 +314,8 @@ class PolicyTrainer:
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, pad_id: int,
                  max_steps: int = BudgetConfig().max_steps) -> None:
         self.model = model
+        self.canary = None
+        """The service's :class:`trainer_service.canary.CanaryCheck` (set by ``build_trainer``; None in tests)."""
         cfg, self.precision = resolve_precision(cfg, next(model.parameters()).device.type)
         self.cfg = cfg
         self.pad_id = pad_id

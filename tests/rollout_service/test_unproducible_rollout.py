@@ -17,8 +17,9 @@ from flywheel.broker import EmbeddedBroker
 from rollout_service.config import RolloutSettings
 from rollout_service.main import run
 from shared import kafka, topics
-from shared.schemas import DeadLetter, RolloutRequest, SamplingParams, Task, Trajectory
-from shared.model import build_tiny_model
+from shared.canary import canary_tokens
+from shared.model import build_tiny_model, load_tokenizer
+from shared.schemas import Attestation, DeadLetter, RolloutRequest, SamplingParams, Task, Trajectory
 
 pytestmark = pytest.mark.kafka
 
@@ -36,8 +37,11 @@ async def test_an_unproducible_trajectory_dead_letters_its_request_and_the_next_
                       finish_reason="error", error="x" * 200, policy_versions=[{"version": 0, "start": 0, "end": 0}],
                       timings={"queue": 0.1, "generate": 0.1}, cost={"generated_tokens": 4.0, "tool_rounds": 0.0,
                                                                       "tool_seconds": 0.0})
-    limit = kafka.record_size(like.encode(), "big") + 400
-    full = like.model_copy(update={"prompt_ids": [50] * 400})
+    # a real trajectory also carries its engine's canary scores (one float per canary token): room for them
+    canary = len(canary_tokens(load_tokenizer(model_dir))[1])
+    att = Attestation(engine="host:4194304", precision="float32", canary=[{"version": 0, "logprobs": [-1.2345678] * canary}])
+    limit = kafka.record_size(like.encode(), "big") + 400 + len(att.model_dump_json())
+    full = like.model_copy(update={"prompt_ids": [50] * 400, "attestation": att})
     assert kafka.record_size(full.encode(), "big") > limit > kafka.record_size(big.encode(), "big")
 
     with EmbeddedBroker.start() as b:

@@ -80,6 +80,29 @@ def _cfg(make_config, kafka_cfg, unique, resample_unsolved: int = 0, **sched):
                                                              "resample_unsolved": resample_unsolved})
 
 
+async def test_records_and_rest_changes_wake_the_issue_loop(make_config, kafka_cfg, unique, running, task, kafka_io):
+    """With a 10 s timed pass (an idle scheduler's cost), new tasks over REST and a new weight version are still
+    answered within seconds: each wakes the issue loop."""
+    producer, reader = kafka_io
+    ids = [f"{unique}-w{i}" for i in range(2)]
+    requests = await reader(topics.ROLLOUT_REQUESTS)
+    mine = lambda r: r.task.task_id in ids  # noqa: E731
+    async with running(_cfg(make_config, kafka_cfg, unique, poll_interval_s=10.0)) as (client, state):
+        await asyncio.sleep(0.5)  # the loop's first pass is done: it naps now
+        t0 = time.monotonic()
+        assert (await client.post("/v1/tasks", json={"tasks": [task(t) for t in ids]})).status_code == 202
+        first = await collect(requests, RolloutRequest, mine, want=1, timeout_s=4.0)
+        assert len(first) == 1 and time.monotonic() - t0 < 4.0
+        for i in range(first[0].n):  # the group completes: its in-flight place is free
+            await _produce(producer, topics.REWARDS, _reward(first[0], i, i == 0), first[0].task.task_id)
+        assert await wait_for(lambda: state.registry.get_group(first[0].group_id)["state"] == "complete")
+        t0 = time.monotonic()
+        wu = WeightUpdate(model=f"m-{unique}", version=1, step=1, manifest=[], checksum="sha256:x", path="/x")
+        await _produce(producer, topics.WEIGHTS, wu, wu.model)
+        second = await collect(requests, RolloutRequest, mine, want=1, timeout_s=4.0)
+        assert len(second) == 1 and second[0].group_id != first[0].group_id and time.monotonic() - t0 < 4.0
+
+
 async def test_flow_control_rewards_weights_and_dlq(make_config, kafka_cfg, unique, running, task, kafka_io):
     producer, reader = kafka_io
     ids = [f"{unique}-t{i}" for i in range(3)]

@@ -220,6 +220,7 @@ def test_a_step_is_bounded_in_samples_whatever_the_groups():
     buf = GroupBuffer(max_staleness=1)
     for gid, n in (("r1", 6), ("r2", 6), ("a", 2), ("r3", 6), ("b", 2), ("c", 2)):
         fill(buf, gid, [1] + [0] * (n - 1))
+    assert buf.smallest_group == 2  # what the trainer's default bound is set from (twice batch_groups of it)
     step = buf.take(4, max_samples=16)
     assert [g.group_id for g in step] == ["r1", "r2", "a", "b"] and sum(g.size for g in step) == 16
     assert [g.group_id for g in buf.ready] == ["r3", "c"] and buf.counters["deferred_groups"] == 1
