@@ -22,7 +22,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -265,8 +265,8 @@ def _write_partial_report(system: LocalSystem, api: SchedulerApi, cfg, t0: float
         result = _report(system, api, cfg, t0, before, None, settle_s=0.0) | {"interrupted": why}
         console.print(f"[yellow]stopped early ({why}): the report has the {result['steps']} steps reached[/]")
         _summarise(result, report)
-    except (httpx.HTTPError, KeyError, ValueError) as e:
-        console.print(f"[red]no report for the interrupted run: {e}[/]")
+    except Exception as e:  # noqa: BLE001 - best effort: the interrupt itself is what the caller re-raises
+        console.print(f"[red]no report for the interrupted run: {type(e).__name__}: {e}[/]")
 
 
 def _train(system: LocalSystem, cfg, t0: float, timeout_s: float, extra: list[dict] = (),
@@ -456,6 +456,8 @@ class RemoteSystem:
 
     scheduler_url: str
     run_dir: Path
+    precision: dict = field(default_factory=dict)
+    """Unknown from here (the services decide on their own machines and log it): ``{}``."""
 
     def check(self) -> list[str]:
         """Nothing to supervise here: the orchestrator restarts the services."""

@@ -41,6 +41,7 @@ import orjson
 from flywheel.broker import (EmbeddedBroker, broker_env, die_with_parent, free_port, open_private_log, port_is_free,
                              stop_pid)
 from shared import precision
+from trainer_service.config import TrainerConfig, for_loss
 from shared.auth import auth_headers, ensure_token_file, write_private
 from shared.config import KafkaConfig, RunConfig, read_yaml
 
@@ -159,10 +160,24 @@ def precision_plan(config_path: str | os.PathLike, env: Mapping[str, str]) -> di
     out = {}
     for name, requested in plan.items():
         try:
-            out[name] = precision.resolve(requested).as_dict()
+            p = precision.resolve(requested)
         except ValueError:
             continue
+        if name.startswith("trainer."):
+            p = for_loss(p, _off_policy(config_path, env))
+        out[name] = p.as_dict()
     return out
+
+
+def _off_policy(config_path: str | os.PathLike, env: Mapping[str, str]) -> str:
+    """``trainer.loss.off_policy`` of the system (environment over YAML over the loss kind's default)."""
+    loss = _yaml_value(config_path, "trainer", "loss")
+    if env.get("FLYWHEEL_TRAINER__LOSS__OFF_POLICY"):
+        return env["FLYWHEEL_TRAINER__LOSS__OFF_POLICY"]
+    try:
+        return getattr(TrainerConfig(**({"loss": loss} if loss is not None else {})).loss, "off_policy", "decoupled")
+    except ValueError:  # a bad loss section: the trainer refuses it at its start
+        return "ppo_clip"
 
 
 # ---------------------------------------------------------------------- supervision
@@ -288,10 +303,10 @@ class LocalSystem:
     worker processes are not in its figure."""
     _rss_at: float = 0.0
     _cpu: dict[str, dict[int, float]] = field(default_factory=dict)
+    """CPU seconds last read per process name and pid (every incarnation after a restart keeps its own)."""
     precision: dict[str, dict] = field(default_factory=dict)
     """The precision the torch services chose, by setting (:func:`precision_plan`): in ``flywheel.json`` and the
     run report."""
-    """CPU seconds last read per process name and pid (every incarnation after a restart keeps its own)."""
 
     #: Seconds between :meth:`check`'s peak-RSS samples.
     RSS_SAMPLE_S = 5.0

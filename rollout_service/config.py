@@ -58,7 +58,8 @@ class RolloutConfig(BaseModel):
     quantization: Literal["none", "int8"] = "none"
     """Torch engine: the weights that generate. ``none``: ``dtype``'s. ``int8``: an int8 copy of the body's linear
     layers (per-row int8 weights, activations quantized per batch at run time; embeddings, norms and the output
-    layer stay float32), rebuilt after each weight version (``rollout_service/quantize.py``). Faster on a CPU
+    layer stay float32), rebuilt after each weight version from a float32 master copy (``rollout.dtype`` is
+    then ignored; ``rollout_service/quantize.py``). Faster on a CPU
     without native bf16 (SmolLM2, 32 samples: 1.76x the tokens per second of float32 on an AVX2 Zen 3) but
     far from the float32 policy: KL(fp32 ‖ int8) of 1.75 nats per token for SmolLM2, against 0.0024 for
     bf16 (``benchmarks/rollout_int8.py``), so its samples are strongly off-policy; not a default anywhere."""

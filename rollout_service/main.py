@@ -87,8 +87,10 @@ def build_engine(config: RolloutSettings):
     torch.set_num_threads(cfg.torch_threads)
     dtype = choose("rollout.dtype", cfg.dtype, logger=log).dtype  # once per process, logged with its reason
     if cfg.quantization != "none":
-        log.warning("rollout.quantization = %s: generation with int8 linear layers, whose log-probs are far from "
-                    "the trainer's (rollout_service/quantize.py)", cfg.quantization)
+        log.warning("rollout.quantization = %s: generation with int8 linear layers from a float32 master copy "
+                    "(rollout.dtype %s ignored), log-probs far from the trainer's (rollout_service/quantize.py)",
+                    cfg.quantization, dtype)
+        dtype = "float32"  # torch.ao's dynamic int8 layers take float32 activations
     engine = TorchEngine(load_model(model_dir, dtype, cfg.attention), tok, seed=cfg.seed,
                          quantization=cfg.quantization)
     attach_burst(engine.model, CoreBurst(cfg.torch_threads, cfg.burst_threads))

@@ -166,9 +166,10 @@ class TorchEngine(Engine):
             self._canary.popitem(last=False)
 
     def attestation(self, versions: list[int]) -> Attestation:
+        # read without the lock (the event loop calls this while a generation may score or evict): one get each
+        scores = {v: self._canary.get(v) for v in dict.fromkeys(versions)}
         return Attestation(engine=self.engine_id, precision=self.precision,
-                           canary=[CanaryScore(version=v, logprobs=self._canary[v]) for v in dict.fromkeys(versions)
-                                   if v in self._canary])
+                           canary=[CanaryScore(version=v, logprobs=lp) for v, lp in scores.items() if lp is not None])
 
     @property
     def runner(self) -> torch.nn.Module:

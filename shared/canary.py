@@ -42,14 +42,16 @@ def canary_tokens(tokenizer) -> tuple[list[int], list[int]]:
 def canary_logprobs(model, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> list[float]:
     """Log-probs (natural log, temperature 1, float32 log-softmax) of ``completion_ids`` after ``prompt_ids`` under
     ``model`` (a causal LM called with ``input_ids``), one forward without gradients: ``len(completion_ids)``
-    floats."""
+    floats (a non-finite one as -1e4)."""
     import torch
 
     ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].float()
     target = torch.tensor(list(completion_ids))[:, None]
-    return torch.log_softmax(logits, -1).gather(-1, target)[:, 0].tolist()
+    lp = torch.log_softmax(logits, -1).gather(-1, target)[:, 0]
+    # a broken model's NaN or inf would not survive JSON (written as null): a very low log-prob fails the check
+    return torch.nan_to_num(lp, nan=-1e4, posinf=-1e4, neginf=-1e4).tolist()
 
 
 def canary_diff(engine: Sequence[float], trainer: Sequence[float]) -> float:

@@ -1,8 +1,8 @@
 """Numeric precision chosen for the machine: bfloat16 where the device computes it natively, float32 elsewhere.
 
 A CPU without bf16 matrix instructions (AVX2 only, no AVX512_BF16 and no AMX) emulates every bf16 matmul:
-on an AMD EPYC Zen 3 a ``[512, 576] @ [576, 1536]`` matmul ran at 55 GFLOP/s in float32 and 1.1 GFLOP/s in
-bfloat16 on one thread, 50 times slower, while a Zen 4 with AVX512_BF16 runs bf16 faster than float32. So
+on an AMD EPYC Zen 3 a ``[512, 576] @ [576, 1536]`` matmul ran at 61.6 GFLOP/s in float32 and 1.1 GFLOP/s in
+bfloat16 on one thread, 54 times slower, while a Zen 4 with AVX512_BF16 runs bf16 faster than float32. So
 ``auto`` (the default of ``rollout.dtype``, ``trainer.autocast_bf16`` and ``trainer.output_bf16``) is decided
 once per process, at start, from what the hardware reports:
 
@@ -11,7 +11,7 @@ once per process, at start, from what the hardware reports:
   AMX-BF16 tiles; float32 otherwise.
 
 An explicit ``bfloat16`` is honoured everywhere; on a CPU without native support it is logged as a warning
-with the slowdown measured by :func:`bf16_slowdown` (about 0.1 s).
+with the slowdown measured by :func:`bf16_slowdown` (about 0.3 s).
 
 ``FLYWHEEL_NATIVE_BF16`` (``0`` or ``1``) overrides the hardware probe for the whole process: a stand-in
 for a CPU with or without bf16 when measuring, never needed in normal use.

@@ -1,12 +1,13 @@
 """The trainer's side of the canary check (``shared/canary.py``): is each engine serving what was published?
 
 After every optimizer step (and at start, for the version resumed) the trainer scores the canary sequence under
-the weights of its new version, float32 without autocast, and keeps the last :attr:`CanaryCheck.keep` scorings.
+the weights of its new version, in their dtype (float32 unless ``trainer.dtype``) without autocast, and keeps the last :attr:`CanaryCheck.keep` scorings.
 Before a step takes groups, each ready group is checked: every sample's attestation (its engine's canary
 scores for the versions it was generated with) must lie within ``shared.canary.tolerance(precision)`` of the
 trainer's scoring of the same version, as a mean absolute log-prob difference per token. A group with any
 sample outside is dropped (``canary``) and the engine is marked failing: a ``run/canary`` alert fires (critical)
-and stays until every failing engine has passed again. Samples without an attestation (SGLang, the null engine)
+and stays until every failing engine has passed again (or has not failed for ``keep`` versions: a replaced
+replica never reports under its old id). Samples without an attestation (SGLang, the null engine)
 or for a version the trainer no longer holds a scoring of (older than ``keep``, or from before a restart) are not
 checked; they are counted (``canary/unchecked_samples``).
 """
@@ -49,9 +50,14 @@ class CanaryCheck:
         self.model = model
         self.ids = canary_tokens(tokenizer)
         self.keep = keep
+        self.own_precision = str(next(model.parameters()).dtype).removeprefix("torch.")
+        """The trainer's own weights' dtype: with ``trainer.dtype: bfloat16`` the canary is scored in bf16, and an
+        engine is judged by the looser tolerance of the two kinds."""
         self.scores: OrderedDict[int, list[float]] = OrderedDict()
         self.failing: dict[str, float] = {}
-        """Engine -> its worst difference, while it fails (cleared when a later check of it passes)."""
+        """Engine -> its worst difference, while it fails (cleared when a later check of it passes, or when it has
+        not failed for :attr:`keep` versions: a replica that was replaced never passes under its old id)."""
+        self._failed_at: dict[str, int] = {}
         self.last_worst: float = 0.0
         """The largest difference seen since :meth:`take_metrics` (nats per token)."""
         self.unchecked = 0
@@ -68,6 +74,12 @@ class CanaryCheck:
         self.scores.move_to_end(version)
         while len(self.scores) > self.keep:
             self.scores.popitem(last=False)
+        for engine, at in list(self._failed_at.items()):
+            if version - at > self.keep:
+                log.warning("engine %s has not failed the canary check for %d versions: no longer counted as failing",
+                            engine, self.keep)
+                self.failing.pop(engine, None)
+                self._failed_at.pop(engine)
         return lp
 
     def check(self, group: Group) -> Verdict:
@@ -87,15 +99,17 @@ class CanaryCheck:
                     continue
                 checked = True
                 verdict.worst = diff if verdict.worst is None else max(verdict.worst, diff)
-                if diff > tolerance(att.precision):
+                if diff > max(tolerance(att.precision), tolerance(self.own_precision)):
                     verdict.ok = False
                     verdict.engines.add(att.engine)
                     self.failing[att.engine] = max(diff, self.failing.get(att.engine, 0.0))
+                    self._failed_at[att.engine] = next(reversed(self.scores))
                 else:
                     passed.add(att.engine)
             if not checked:
                 verdict.unchecked += 1
         for engine in passed - verdict.engines:
+            self._failed_at.pop(engine, None)
             if self.failing.pop(engine, None) is not None:
                 log.warning("engine %s passes the canary check again", engine)
         self.unchecked += verdict.unchecked

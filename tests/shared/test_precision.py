@@ -97,7 +97,8 @@ def test_the_trainer_resolves_auto_at_start(forced, tmp_path, value):
 
     forced(value)
     model_dir = build_tiny_model(tmp_path / "tiny")
-    t = PolicyTrainer(load_model(model_dir), TrainerConfig(kl_coef=0.1), pad_id=0)
+    t = PolicyTrainer(load_model(model_dir), TrainerConfig(kl_coef=0.1, loss={"kind": "grpo", "off_policy": "decoupled"}),
+                      pad_id=0)
     assert t.cfg.autocast_bf16 is (value == "1") and t.cfg.output_bf16 is (value == "1")
     assert {k: p.requested for k, p in t.precision.items()} == {"autocast_bf16": "auto", "output_bf16": "auto"}
     # the KL reference is a bf16 copy exactly when the body runs under bf16 autocast
@@ -105,6 +106,20 @@ def test_the_trainer_resolves_auto_at_start(forced, tmp_path, value):
 
     ref_dtype = t.ref_model.model.layers[0].mlp.up_proj.weight.dtype
     assert ref_dtype == (torch.bfloat16 if value == "1" else torch.float32)
+
+
+def test_auto_keeps_the_trainer_in_float32_when_its_loss_would_clip_bf16_rounding(forced, tmp_path):
+    from shared.model import build_tiny_model, load_model
+    from trainer_service.config import TrainerConfig
+    from trainer_service.trainer import PolicyTrainer
+
+    forced("1")
+    model = load_model(build_tiny_model(tmp_path / "tiny"))
+    t = PolicyTrainer(model, TrainerConfig(loss={"kind": "grpo", "off_policy": "ppo_clip"}), pad_id=0)
+    assert t.cfg.autocast_bf16 is False and "ppo_clip" in t.precision["autocast_bf16"].reason
+    explicit = PolicyTrainer(model, TrainerConfig(autocast_bf16=True, loss={"kind": "grpo", "off_policy": "ppo_clip"}),
+                             pad_id=0)
+    assert explicit.cfg.autocast_bf16 is True  # an explicit choice is honoured
 
 
 def test_settings_default_to_auto_and_refuse_other_dtypes():
@@ -132,6 +147,13 @@ def test_the_run_state_records_what_the_services_choose(forced, tmp_path):
     assert {k: (p["requested"], p["dtype"]) for k, p in plan.items()} == {
         "rollout.dtype": ("auto", "float32"), "trainer.autocast_bf16": ("true", "bfloat16"),
         "trainer.output_bf16": ("auto", "float32")}
+    # on a bf16 machine auto trains in bf16 only with the decoupled correction (the default loss clips instead)
+    forced("1")
+    plan = precision_plan(cfg, {})
+    assert plan["rollout.dtype"]["dtype"] == "bfloat16" and plan["trainer.output_bf16"]["dtype"] == "float32"
+    assert precision_plan(cfg, {"FLYWHEEL_TRAINER__LOSS__OFF_POLICY": "decoupled"})["trainer.output_bf16"]["dtype"] == \
+        "bfloat16"
+    forced("0")
     # the environment wins over the YAML; engines without a torch model choose nothing
     plan = precision_plan(cfg, {"FLYWHEEL_TRAINER__AUTOCAST_BF16": "false", "FLYWHEEL_ROLLOUT__ENGINE": "null"})
     assert "rollout.dtype" not in plan and plan["trainer.autocast_bf16"]["dtype"] == "float32"

@@ -129,3 +129,22 @@ async def test_a_failing_engine_fires_a_canary_alert_and_its_recovery_resolves_i
     mine = [a for a in alerts if a.details["engines"] == ["host:1"]]
     assert mine and mine[0].status == "firing" and mine[0].severity == "critical" and mine[0].key == "run/canary"
     assert [a.status for a in alerts][-1] == "resolved"
+
+
+def test_an_engine_that_stops_reporting_stops_counting_as_failing(models):
+    """A failing replica that is replaced never passes under its old id: after ``keep`` versions without a failure
+    it no longer counts (so the alert can resolve)."""
+    base, trained = models
+    tok = load_tokenizer(base)
+    check = CanaryCheck(load_model(trained), tok, keep=2)
+    check.record(1)
+    stale = TorchEngine(load_model(base), tok, seed=2)
+    stale.policy_version = 1
+    buf = GroupBuffer(max_staleness=1)
+    _group(buf, stale, "bad", 0)
+    assert not check.check(buf.ready[0]).ok and set(check.failing) == {stale.engine_id}
+    for v in (2, 3):
+        check.record(v)
+    assert set(check.failing) == {stale.engine_id}  # 2 versions: still within keep
+    check.record(4)
+    assert check.failing == {}
