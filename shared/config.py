@@ -234,7 +234,9 @@ class BudgetConfig(BaseModel):
     groups oldest first, passing over (deferring to the next step) any that would go past the bound; the first
     is always taken. 0 (the default): twice the samples of ``batch_groups`` of the smallest training group the
     trainer has received, e.g. 64 for 4 groups of 8 with re-samples of 24 (unbounded, a step of the main job
-    took 4 x 24 = 96 rows, 3 times a normal step). A deferred group can go stale (``max_staleness``) and is then dropped and re-issued."""
+    took 4 x 24 = 96 rows, 3 times a normal step). A deferred group can go stale (``max_staleness``) and is then
+    dropped and re-issued. With domains of different group sizes set it explicitly: the smallest size of any
+    domain would bound every step. ``train/deferred_groups_total`` counts deferrals (passed over twice: two)."""
     resample_unsolved: int = Field(0, ge=0, le=1024)
     """Samples of one extra group for a task whose training group came back unsolved
     (:func:`shared.groups.is_unsolved`: no sample passed and all rewards equal, so every advantage is
