@@ -49,19 +49,27 @@ def create_app(config: SchedulerSettings, state: SchedulerState) -> FastAPI:
               metrics.router, system.router):
         app.include_router(r)
     install_validation_handler(app)
-
-    @app.middleware("http")
-    async def wake_sampler(request, call_next):
-        """A mutating request (new tasks, an eval round, a domain change, a control) may give the sampler work:
-        wake its issue loop once the request is answered rather than at its next timed pass."""
-        response = await call_next(request)
-        if request.method not in ("GET", "HEAD", "OPTIONS") and state.sampler is not None:
-            state.sampler.wake()
-        return response
-
+    app.add_middleware(WakeSampler, state=state)
     app.add_middleware(BodyLimit, max_bytes=config.scheduler.max_body_bytes)
     _add_components(app, tasks.openapi_components())
     return app
+
+
+class WakeSampler:
+    """ASGI middleware: a mutating request (new tasks, an eval round, a domain change, a control) may give the
+    sampler work, so its issue loop is woken once the request is answered rather than at its next timed pass.
+    Plain ASGI (not ``BaseHTTPMiddleware``), so request bodies stream through untouched (``BodyLimit``)."""
+
+    def __init__(self, app, state: SchedulerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD", "OPTIONS") \
+                    and self.state.sampler is not None:
+                self.state.sampler.wake()
 
 
 def _add_components(app: FastAPI, schemas: dict[str, Any]) -> None:

@@ -81,7 +81,7 @@ def test_a_run_stopped_by_its_timeout_still_writes_its_report(tiny, tmp_path):
     report = tmp_path / "report.json"
     r = _flywheel("run", str(ROOT / "examples/toy.yaml"), "--set", f"model.name={tiny}", "--set",
                   f"run.dir={tmp_path / 'runs'}", "--set", "budget.max_steps=100000", "--report", str(report),
-                  "--timeout", "45", cwd=tmp_path, check=False)
+                  "--timeout", "90", cwd=tmp_path, check=False)
     assert r.returncode != 0
     rep = json.loads(report.read_text())
     assert rep["interrupted"].startswith("TimeoutError") and rep["steps"] >= 1, (rep.get("interrupted"), r.stdout[-2000:])
