@@ -1,5 +1,5 @@
 """Learning per step in bf16 against fp32: the main job (``examples/arithmetic.yaml``, README's first command)
-over several seeds in each precision, held-out greedy accuracy side by side (issue 20).
+over several seeds in each precision, held-out greedy accuracy side by side.
 
 Precisions (``benchmarks/e2e_arithmetic.py``'s :data:`PRECISION`):
 

@@ -1,5 +1,4 @@
-"""Chaos over a toy run: kill -9 services and the broker at random moments; nothing lost, nothing trained twice
-(issue 19, "What it must show").
+"""Chaos over a toy run: kill -9 services and the broker at random moments; nothing lost, nothing trained twice.
 
 A real ``flywheel run examples/toy.yaml`` (tiny random Llama, the embedded broker, five supervised
 services) runs as a subprocess to ``--steps`` policy versions. Meanwhile this harness kills, one at a
@@ -23,7 +22,7 @@ What is measured, and how:
   step must have gone trainer → broker → scheduler. "2nd step" is the same for the version after: a
   service whose loss the pipeline absorbs for a moment (the trainer may hold a step's groups already)
   shows a short next step and a longer 2nd. "Restarted" is kill → a new pid for the target in
-  flywheel.json (the supervisor's part alone). Issue 19's bounds are on the median kill → next step:
+  flywheel.json (the supervisor's part alone). The bounds are on the median kill → next step:
   ≤ 15 s over the service kills, ≤ 30 s over the broker kills.
 - **Acknowledged tasks lost**: every task id of every batch that got 202 (ours, and the CLI's own toy
   tasks, since ``flywheel run`` stops on any refusal) must be a row of the registry
@@ -80,6 +79,8 @@ from flywheel.launcher import SERVICES  # noqa: E402
 from shared.auth import auth_headers, token_from_run_dir  # noqa: E402
 from shared.model import build_tiny_model  # noqa: E402
 
+OPT_OUT = {"reason": "no truncation gate: the token budgets here are a few tokens by design, so most completions hit them"}
+"""The verifier recipe of these tasks: an explicit opt-out of the verifier's default truncation gate."""
 BROKER = "broker"
 TARGETS = (*SERVICES, BROKER)
 CONFIG = ROOT / "examples" / "toy.yaml"
@@ -87,9 +88,9 @@ CONFIG = ROOT / "examples" / "toy.yaml"
 BATCH_GROUPS = 4
 """``budget.batch_groups`` of :data:`CONFIG`: groups per optimizer step."""
 SERVICE_BOUND_S = 15.0
-"""Issue 19: median kill → next step for a service (seconds)."""
+"""Bound: median kill → next step for a service (seconds)."""
 BROKER_BOUND_S = 30.0
-"""Issue 19: median kill → next step for the broker (seconds)."""
+"""Bound: median kill → next step for the broker (seconds)."""
 POLL_S = 0.2
 """Period of the harness's ``GET /v1/status`` (seconds): the resolution of every recovery time."""
 WARMUP_STEPS = 5
@@ -238,7 +239,7 @@ def task_batch(k: int, rng: random.Random) -> list[dict]:
     """Batch ``k``: :data:`SUBMIT_BATCH` toy training tasks (ids ``chaos-<k>-<i>``, distinct prompts)."""
     return [{"task_id": f"chaos-{k}-{i}", "domain": "toy_prefix", "split": "train", "samples_per_task": 8,
              "prompt": [{"role": "user", "content": f"{rng.randrange(10_000):04d}c{k}x{i}"}],
-             "verifier": {"kind": "regex", "pattern": "^[a-z]"}} for i in range(SUBMIT_BATCH)]
+             "verifier": {"kind": "regex", "pattern": "^[a-z]", "recipe": OPT_OUT}} for i in range(SUBMIT_BATCH)]
 
 
 class Submitter(threading.Thread):

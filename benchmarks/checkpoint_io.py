@@ -1,4 +1,4 @@
-"""What writing a checkpoint every policy version costs the machine: buffered vs direct I/O (issue 20).
+"""What writing a checkpoint every policy version costs the machine: buffered vs direct I/O.
 
     python benchmarks/checkpoint_io.py [--versions 10] [--params 135] [--keep 2] [--dir /tmp/flywheel-ckpt-io]
 

@@ -16,7 +16,7 @@ zero-advantage rows too):
 - **Flywheel**: ``flywheel run`` with its five services over the embedded broker, generation
   overlapping training (one core each).
 
-Issue 20 adds the bf16 arms: the plain loop under ``torch.autocast(bfloat16)`` (what a user would do by
+The bf16 arms: the plain loop under ``torch.autocast(bfloat16)`` (what a user would do by
 hand on this CPU), and ``flywheel run`` with bf16 generation (``rollout.dtype: bfloat16``), bf16-autocast
 training with fp32 master weights and AdamW (``trainer.autocast_bf16``) and the decoupled clip against the
 trainer's own log-probs (``trainer.loss.off_policy: decoupled``: the mismatch correction), with and without

@@ -48,6 +48,8 @@ import yaml  # noqa: E402
 
 from flywheel.launcher import LocalSystem  # noqa: E402
 
+OPT_OUT = {"reason": "no truncation gate: the token budgets here are a few tokens by design, so most completions hit them"}
+"""The verifier recipe of these tasks: an explicit opt-out of the verifier's default truncation gate."""
 PROMPT = [{"role": "user", "content": "f"}]
 """The one prompt the tiny model is taught (every slow task asks it)."""
 WRONG = "```python\ndef f(x):\n    return x\n```"
@@ -97,9 +99,9 @@ def tasks(n: int, sleep_s: float, samples: int = 4) -> list[dict]:
         test = {"name": f"double_{i}", "code": f"import time\ntime.sleep({sleep_s})\nassert f({i + 1}) == {2 * (i + 1)}"}
         out.append({"task_id": f"slow-{i}", "domain": "slow", "prompt": PROMPT, "samples_per_task": samples,
                     "tools": ["test_feedback"], "max_turns": 2,
-                    "verifier": {"kind": "unit_tests", "entry_point": "f", "tests": [test]}})
+                    "verifier": {"kind": "unit_tests", "entry_point": "f", "tests": [test], "recipe": OPT_OUT}})
         out.append({"task_id": f"fast-{i}", "domain": "fast", "prompt": [{"role": "user", "content": f"say {i}"}],
-                    "samples_per_task": samples, "verifier": {"kind": "regex", "pattern": "^[a-z]"}})
+                    "samples_per_task": samples, "verifier": {"kind": "regex", "pattern": "^[a-z]", "recipe": OPT_OUT}})
     return out
 
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from flywheel.launcher import LocalSystem, overrides_to_env  # noqa: E402
-from shared.precision import cpu_model  # noqa: E402
+from shared.precision import cpu_features, cpu_model  # noqa: E402
 
 
 def measure(config: Path, sets: list[str], settle_s: float, seconds: float) -> dict[str, float]:
@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=30.0, help="seconds after start before sampling")
     ap.add_argument("--seconds", type=float, default=60.0, help="seconds sampled")
     args = ap.parse_args()
-    print(f"CPU: {cpu_model()}; idle system of {args.config.name}, {args.seconds:.0f} s after {args.settle:.0f} s")
+    print(f"CPU: {cpu_model()} [{cpu_features()}]; idle system of {args.config.name}, {args.seconds:.0f} s after {args.settle:.0f} s")
     results = {arm: measure(args.config, arm.split(), args.settle, args.seconds) for arm in args.arms}
     names = sorted({n for r in results.values() for n in r} - {"total"}) + ["total"]
     base = results[args.arms[0]]

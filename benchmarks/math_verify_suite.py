@@ -14,7 +14,7 @@ in the ``zeroed`` column.
 Printed per test file: agree/total, false credits (expected 0, scored 1), false negatives (expected 1,
 scored 0) and infra errors; then, measured in the same run, math-verify's own
 ``verify(parse(gold), parse(pred))`` with its defaults (the baseline) and with each test's own options
-(what the test itself runs). Target (issue 14): >= 265/270 agree, 0 false credit. Also one JSON line.
+(what the test itself runs). Target: >= 265/270 agree, 0 false credit. Also one JSON line.
 """
 
 from __future__ import annotations

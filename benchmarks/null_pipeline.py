@@ -1,4 +1,4 @@
-"""The pipeline without a model: scheduler → rollout → verifier → trainer over the embedded broker (issue 20).
+"""The pipeline without a model: scheduler → rollout → verifier → trainer over the embedded broker.
 
     python benchmarks/null_pipeline.py [--replicas 1 2 4] [--steps 60] [--batch 64] [--k 8] [--tasks 2048]
                                        [--max-tokens 4] [--tokens-per-s 0] [--kind exact] [--traces off]
@@ -125,7 +125,7 @@ def _spawn(name: str, config: Path, run_dir: Path, bootstrap: str, extra_env: di
 
 def _tasks(n: int, k: int, kind: str) -> list[dict]:
     verifier = {"kind": "exact", "answer": "abcd"} if kind == "exact" else {"kind": "regex", "pattern": "^[a-m]"}
-    verifier["recipe"] = None  # no rules: the scorer alone
+    verifier["recipe"] = {"reason": "no truncation gate: the null engine's completions are canned"}  # the scorer alone
     return [{"task_id": f"null-{i}", "domain": "null", "prompt": [{"role": "user", "content": f"say {i}"}],
              "verifier": verifier, "samples_per_task": k, "split": "train"} for i in range(n)]
 

@@ -33,7 +33,7 @@ from rollout_service.engine import GenerationRequest  # noqa: E402
 from rollout_service.quantize import int8_runner  # noqa: E402
 from rollout_service.torch_engine import TorchEngine  # noqa: E402
 from shared.model import encode_chat, load_model, load_tokenizer, resolve_model_dir  # noqa: E402
-from shared.precision import cpu_model  # noqa: E402
+from shared.precision import cpu_features, cpu_model  # noqa: E402
 from shared.schemas import SamplingParams  # noqa: E402
 
 
@@ -70,7 +70,7 @@ def main() -> None:
     tok = load_tokenizer(model_dir)
     base = load_model(model_dir)
     ps = prompts(tok, args.prompts)
-    print(f"CPU: {cpu_model()}; SmolLM2-135M, {args.prompts} prompts x {args.n} samples, <= {args.tokens} tokens, "
+    print(f"CPU: {cpu_model()} [{cpu_features()}]; SmolLM2-135M, {args.prompts} prompts x {args.n} samples, <= {args.tokens} tokens, "
           f"{args.threads} thread(s), best of {args.reps}")
     rows = {}
     for arm in args.arms:

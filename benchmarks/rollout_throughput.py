@@ -15,7 +15,7 @@ number of tokens), temperature 1, fp32:
 
 On a CPU a decode step is bound by reading the weights (108 ms for 8 rows, 181 ms for 32 here), so
 most of the gain comes from decoding several groups per step, the rest from the shared prefill.
-Prints tokens/s of each, the ratio to the baseline (target on 2 cores, issue 6: >= 1.3x) and one JSON line.
+Prints tokens/s of each, the ratio to the baseline (target on 2 cores: >= 1.3x) and one JSON line.
 """
 
 from __future__ import annotations

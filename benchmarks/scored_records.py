@@ -1,5 +1,5 @@
 """Bytes and decode cost of one flywheel.scored record, before (version 2: the whole Trajectory with its task,
-and the whole Reward) and after (version 3: the lean TrainSample and ScoredReward) issue 20.
+and the whole Reward) and after (version 3: the lean TrainSample and ScoredReward) the records were made lean.
 
     python benchmarks/scored_records.py [--tokens 64] [--prompt-tokens 128] [--test-bytes 4000] [--n 4000]
 
@@ -26,7 +26,7 @@ from verifier_service.intake import TrajectoryDecoder  # noqa: E402
 
 
 class ScoredV2(Record):
-    """flywheel.scored version 2, as it was before issue 20."""
+    """flywheel.scored version 2, as it was before the lean records."""
 
     SCHEMA: ClassVar[str] = "flywheel.ScoredTrajectory"
     VERSION: ClassVar[int] = 2

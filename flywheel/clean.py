@@ -2,12 +2,12 @@
 
 A run directory keeps, per checkpoint store (``run.checkpoint_dir``, see ``shared/checkpoint.py``), the
 weights of the newest ``trainer.keep_checkpoints`` versions and the newest one's optimizer state: about
-2.2 GB for SmolLM2 with ``keep_checkpoints: 2`` (3.2 GB before issue 19). Five finished runs filled a
+2.2 GB for SmolLM2 with ``keep_checkpoints: 2`` (3.2 GB when every kept version kept its optimizer state). Five finished runs filled a
 machine, so this removes, for every run that is not running:
 
 - by default: every version but the newest (and the newest complete one, ``latest.json``, when a crash
   left them apart), weights included, and the kept versions' optimizer state (``optimizer.pt``; a
-  ``trainer_state.pt`` written before issue 19 that holds the optimizer is rewritten without it). The
+  ``trainer_state.pt`` of the older layout that holds the optimizer is rewritten without it). The
   newest weights, its counters and ``latest.json`` stay: the policy can still be loaded, evaluated or
   served, and the run restarted at ``max_steps``, but not trained further.
 - with ``--all``: the whole checkpoint store.
@@ -146,7 +146,7 @@ def plan_run(run_dir: Path, everything: bool) -> RunPlan:
             plan.remove += [f for f in [kept / "optimizer.pt"] if f.exists()]
             ts = kept / "trainer_state.pt"
             if ts.exists() and not (kept / "optimizer.pt").exists():
-                n = _embedded_optimizer_bytes(ts)  # written before issue 19: the optimizer inside (mmap: cheap)
+                n = _embedded_optimizer_bytes(ts)  # the older layout: the optimizer inside (mmap: cheap)
                 if n:
                     plan.rewrite.append(ts)
                     plan.bytes += n

@@ -3,7 +3,7 @@
     flywheel run examples/arithmetic.yaml --report runs/arithmetic.json
     flywheel up examples/arithmetic.yaml        # serve until Ctrl-C or `flywheel down`
     flywheel job examples/arithmetic.yaml --url http://scheduler:8000   # the job on a system run elsewhere (compose)
-    flywheel submit tasks.jsonl                 # one task object per line (format in README.md)
+    flywheel submit tasks.jsonl                 # one task object per line (format in docs/guide.md)
     flywheel status
     flywheel domains                            # per domain: status, share, level, pass rate, spend vs budget
     flywheel alerts [--active] [--domain D] [--severity S] [--json]   # the drift monitor's alerts, firing first
@@ -13,7 +13,7 @@
     flywheel judge-calibrate labelled.jsonl --config cfg.yaml   # the judge's agreement with labels
     flywheel budget examples/arithmetic.yaml [--history runs/arithmetic.json] [--json]   # a run's rollout cost, before it
     flywheel analytics [--follow]               # the topics into <run dir>/analytics.duckdb (incremental)
-    flywheel analytics query "SELECT ..." [--json]   # SQL on it (or a README question by name)
+    flywheel analytics query "SELECT ..." [--json]   # SQL on it (or a documented question by name)
 """
 
 from __future__ import annotations
@@ -227,6 +227,9 @@ def run(
     except httpx.HTTPError as e:  # shared.client's ApiError included: it names the URL, attempts, last error
         console.print(f"[red]the job stopped: {e if isinstance(e, ApiError) else f'{type(e).__name__}: {e}'}[/]")
         raise typer.Exit(1) from None
+    except RunStalled as e:
+        console.print(f"[red]the job stopped: {e}[/]")
+        raise typer.Exit(1) from None
     finally:
         _stop(system)
     _summarise(result, report)
@@ -246,6 +249,10 @@ def _summarise(result: dict, report: Path | None) -> None:
     if report:
         png = write_report(report, result)
         console.print(f"report: {report} (plot {png})")
+
+
+class RunStalled(RuntimeError):
+    """The scheduler reports that the run cannot go on (``GET /v1/status`` ``stalled``); the message says why."""
 
 
 def _interrupt(signum, frame) -> None:
@@ -287,7 +294,7 @@ def _train(system: LocalSystem, cfg, t0: float, timeout_s: float, extra: list[di
         deadline = t0 + timeout_s
         try:
             eval_rows = _follow_training(system, api, cfg.budget.max_steps, deadline)
-        except (KeyboardInterrupt, TimeoutError) as e:
+        except (KeyboardInterrupt, TimeoutError, RunStalled) as e:
             if report is not None:  # what the run reached, before the services stop
                 _write_partial_report(system, api, cfg, t0, report, f"{type(e).__name__}: {e}")
             raise
@@ -335,6 +342,8 @@ def _follow_training(system: LocalSystem, api: SchedulerApi, max_steps: int, dea
                                        f"{time.monotonic() - t0:.0f} s", soft_wrap=True)
             if st["policy_version"] >= max_steps:
                 return eval_rows
+            if st.get("stalled"):  # the scheduler says the run cannot go on (scheduler_service/stall.py)
+                raise RunStalled(st["stalled"]["message"])
             if time.monotonic() > deadline:
                 raise TimeoutError(f"training did not reach {max_steps} steps by the deadline")
             time.sleep(1.0)  # also the supervision period (system.check above)
@@ -518,6 +527,9 @@ def job(
         result = _train(RemoteSystem(url.rstrip("/"), where), cfg, t0, timeout, retry_s=retry)
     except httpx.HTTPError as e:  # shared.client's ApiError included: it names the URL, attempts, last error
         console.print(f"[red]the job stopped: {e if isinstance(e, ApiError) else f'{type(e).__name__}: {e}'}[/]")
+        raise typer.Exit(1) from None
+    except RunStalled as e:
+        console.print(f"[red]the job stopped: {e}[/]")
         raise typer.Exit(1) from None
     _summarise(result, report)
 
@@ -1015,7 +1027,7 @@ def _analytics_ingest(run_dir: Path | None, bootstrap: str | None, follow: bool,
 
 @analytics_app.command("query")
 def analytics_query(
-    sql: Annotated[str, typer.Argument(help="SQL (read-only), or the name of a README question: "
+    sql: Annotated[str, typer.Argument(help="SQL (read-only), or the name of a documented question: "
                                             "pass_rate_by_version, reward_histogram, length_inflation, hack_rate, "
                                             "cost_per_domain, heldout_accuracy.")],
     db: DbOpt = None, run_dir: AnalyticsRunDirOpt = None,

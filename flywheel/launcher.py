@@ -53,7 +53,7 @@ SERVICES = ("sandbox", "verifier", "trainer", "rollout", "scheduler")
 METRICS_PORT_SERVICES = ("verifier", "trainer", "rollout")
 
 # ---------------------------------------------------------------------- environment
-#: Variables of the caller's environment every service gets, by exact name (issue 19: "services get only the
+#: Variables of the caller's environment every service gets, by exact name ("services get only the
 #: environment they need"; an API key or cloud credential of the operator's shell never reaches a service,
 #: the sandbox's programs or the broker). Add a name here, and nowhere else, when a service needs one.
 SERVICE_ENV_ALLOW = frozenset({
@@ -186,7 +186,7 @@ class RestartPolicy:
     """How the supervisor restarts a dead process (a service or the broker).
 
     A process may die ``max_restarts`` times within any ``window_s`` seconds and be restarted; the next
-    counted death in the window stops the system (issue 19, item 2: a count over the whole run stopped a
+    counted death in the window stops the system (a count over the whole run would stop a
     run whose third crash came hours after the second). Before its k-th restart in a row a service waits
     ``min(backoff_max_s, backoff_initial_s · 2^(k-1))`` seconds; a process that ran ``stable_s`` seconds
     before dying starts a new row (1 s again). The broker restarts at once (every service waits on it).

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shared.verifier_specs import Recipe, TruncationRule
+from shared.verifier_specs import Recipe
 
 
 class DomainSource(BaseModel):
@@ -55,11 +55,12 @@ class TaskSourceConfig(BaseModel):
     """``mixture``: the shipped domains to submit; the scheduler samples them like any tasks."""
     toy_pattern: str = "^[a-z]"
     """Regex the completion must match in the ``toy_prefix`` domain (default: starts with a lowercase letter)."""
-    recipe: Recipe | None = Field(default_factory=lambda: Recipe(rules=[TruncationRule()], gates=["truncation"]))
-    """Verifier recipe every ``reasoning_gym`` and ``toy_prefix`` task carries. Default: a completion cut off
-    at the token budget (finish_reason ``length``) earns 0. ``null``: none, so cut-off answers are scored
-    like any other (the verifier service's recipe for the domain applies). ``mixture`` domains take
-    theirs from ``domains[].params.recipe`` (``flywheel.domains``)."""
+    recipe: Recipe | None = None
+    """Verifier recipe every ``reasoning_gym`` and ``toy_prefix`` task carries. ``null`` (the default): none, so
+    the verifier service's recipe for the domain applies, else its safe default: a completion cut off at the
+    token budget (finish_reason ``length``) earns 0 and a detected hack earns 0. To score cut-off answers like
+    any other, opt out with a reason: ``{reason: "no truncation gate: ..."}``. ``mixture`` domains take theirs
+    from ``domains[].params.recipe`` (``flywheel.domains``)."""
     seed: int = 0
     """Seed of the generator."""
 

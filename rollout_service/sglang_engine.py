@@ -195,7 +195,11 @@ class SGLangEngine(Engine):
 
         Raises:
             RuntimeError: the server could not load it (SGLang rolls a failed disk load back).
+            ValueError: the version is a LoRA adapter.
         """
+        if update.adapter is not None:  # SGLang serves LoRA through its own adapter API, not a weights reload
+            raise ValueError(f"policy version {update.version} is a LoRA adapter: trainer.lora needs rollout.engine "
+                             "torch")
         with self._weights_lock:
             if self.policy_version >= update.version:
                 return

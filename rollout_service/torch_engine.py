@@ -30,7 +30,8 @@ import torch
 
 from rollout_service.engine import Engine, GenerationRequest, Sample
 from shared.canary import canary_logprobs, canary_tokens
-from shared.checkpoint import load_weights, load_weights_state, snapshot_weights
+from shared.checkpoint import load_weights, load_weights_state, read_update, snapshot_weights
+from shared.lora import AdapterApplier
 from shared.schemas import Attestation, CanaryScore, VersionSpan, WeightUpdate
 
 log = logging.getLogger("rollout.torch")
@@ -54,6 +55,7 @@ class TorchEngine(Engine):
         """``none`` (generate with :attr:`model`) or ``int8`` (with an int8 copy of it rebuilt after each weight
         load: :mod:`rollout_service.quantize`)."""
         self._runner: torch.nn.Module | None = None  # the int8 copy, None when stale or not quantizing
+        self._adapters = AdapterApplier()  # the base weights under LoRA versions (kept from the first one)
         self.engine_id = f"{socket.gethostname()}:{os.getpid()}"
         self._canary_ids = canary_tokens(tokenizer)
         self._canary: OrderedDict[int, list[float]] = OrderedDict()  # version -> its canary log-probs (newest last)
@@ -84,8 +86,21 @@ class TorchEngine(Engine):
 
     def update_weights(self, update: WeightUpdate) -> None:
         with self._lock:
-            load_weights(self.model, update)
+            self._load(update)
             self._loaded(update.version)
+
+    def _load(self, update: WeightUpdate) -> None:
+        """Load a version into :attr:`model`: full weights, or a LoRA adapter applied to the base weights
+        (:class:`shared.lora.AdapterApplier`).
+
+        Raises:
+            ValueError, OSError: as :func:`shared.checkpoint.read_update` or the adapter does not fit.
+        """
+        if update.adapter is None:
+            load_weights(self.model, update)
+            self._adapters.reset(self.model)
+        else:
+            self._adapters.apply(self.model, read_update(update), update.adapter, f"v{update.version}")
 
     def weight_shapes(self) -> dict:
         return {k: torch.empty(v.shape, dtype=v.dtype) for k, v in snapshot_weights(self.model).items()}
@@ -93,6 +108,7 @@ class TorchEngine(Engine):
     def load_weights_state(self, state: dict, version: int) -> None:
         with self._lock:
             load_weights_state(self.model, state, f"broadcast v{version}")
+            self._adapters.reset(self.model)
             self._loaded(version)
 
     def request_interrupt(self, loader: Loader, recompute: bool = True) -> None:
@@ -113,7 +129,7 @@ class TorchEngine(Engine):
 
     def interrupt_with(self, update: WeightUpdate) -> bool:
         def loader() -> int:
-            load_weights(self.model, update)
+            self._load(update)
             return update.version
 
         self.request_interrupt(loader)

@@ -12,7 +12,7 @@ DOMAIN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 """What a configured domain name may be (it is a path segment of ``/v1/domains/{domain}``)."""
 MAX_INT = 2**53
 """Bound of every integer the API takes: exact in a JSON number read by JavaScript (the dashboard) and
-well inside orjson's 64 bits (a larger one was a 500, issue 19)."""
+well inside orjson's 64 bits (a larger one was a 500)."""
 MAX_PARAMS_BYTES = 1024 * 1024
 """Largest generator ``params`` of a domain or level (bytes of compact JSON)."""
 Difficulty = Annotated[float, Field(ge=-1e9, le=1e9, allow_inf_nan=False)]
@@ -161,7 +161,7 @@ DEFAULT_THRESHOLDS: dict[str, SignalThreshold] = {
     "kl": SignalThreshold(warning=1.0, min_samples=1),
     "entropy_collapse": SignalThreshold(warning=0.8, min_samples=1),
 }
-"""Default thresholds (README "Drift monitoring" says why each)."""
+"""Default thresholds (docs/guide.md, "Drift monitoring", says why each)."""
 
 
 def check_overrides(v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -191,7 +191,16 @@ class BreakerConfig(BaseModel):
     max_cooldown_s: float = Field(900.0, gt=0, le=864_000)
     """The cool-down doubles after each failed probe, up to this (seconds)."""
     probe_groups: int = Field(2, ge=1, le=64)
-    """Training groups of a half-open domain's probe (scored and judged, never trained)."""
+    """The fewest training groups of a half-open domain's probe (scored and judged, never trained). The probe
+    is larger when the test of its tripping signal needs more samples (``scheduler_service/probe.py``)."""
+    probe_max_groups: int = Field(16, ge=1, le=1024)
+    """The most groups a probe may take: a probe whose test would need more is sent at this size (and closes the
+    breaker only if the samples it got are evidence enough)."""
+    probe_alpha: float = Field(0.05, gt=0, lt=0.5)
+    """Significance of a probe's test: the chance that a probe closes the breaker while the condition that tripped
+    it is still there (an exact binomial test for rate signals)."""
+    probe_power: float = Field(0.8, gt=0, lt=1)
+    """The chance a probe of a healthy domain passes, which sets its size (given the frozen reference)."""
     probe_timeout_s: float = Field(600.0, gt=0, le=86_400)
     """A probe whose groups have not all been scored this long after issue counts as failed (seconds)."""
 
@@ -217,6 +226,13 @@ class MonitorConfig(BaseModel):
     """Run-wide threshold overrides per signal, over :data:`DEFAULT_THRESHOLDS` (fields of
     :class:`SignalThreshold`)."""
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    warn_after: int = Field(3, ge=1, le=1000)
+    """Consecutive evaluations (completed groups, or steps for the run-wide signals) a signal must stay at or above
+    its warning threshold before the warning fires (Prometheus's ``for:``): a value that touches a threshold once
+    pages no one. A critical level fires at once: it opens the breaker, which must not wait."""
+    resolve_margin: float = Field(0.1, ge=0.0, lt=1.0)
+    """A firing alert resolves (or steps down from critical to warning) only once its value is below the threshold
+    it crossed by this fraction of that threshold (hysteresis): a value hovering at a threshold does not flap."""
     pause_training_on_critical: bool = True
     """A critical run-wide signal (only if an operator makes ``kl`` or ``entropy_collapse`` critical) pauses
     training."""
@@ -337,8 +353,8 @@ class SchedulerConfig(BaseModel):
     ``eval_chunk_groups``: a chunk goes once no training group and no eval group is in flight (the rollout has
     generated everything the trainer's next step needs), so evaluation does not delay training data; a round
     waiting longer than ``eval_max_wait_s`` goes whole. ``at_once``: the whole round at once, ahead of the
-    training groups issued in the same pass (before issue 20: the main job's trainer waited 6-12 s for data
-    after each round)."""
+    training groups issued in the same pass (with the whole round behind them, the main job's trainer waited 6-12 s for
+    data after each round)."""
     eval_chunk_groups: int = Field(32, ge=1, le=100_000)
     """Eval groups sent per slack moment (``eval_timing: slack``)."""
     eval_max_wait_s: float = Field(30.0, ge=0.0)
@@ -360,6 +376,12 @@ class SchedulerConfig(BaseModel):
     periodic reports are checked at least this often. Any record the scheduler handles (a reward, a drop, a
     weight version, a control) and any mutating REST request wakes the loop at once, so the issue latency does
     not depend on it; an idle scheduler took 4-5 % of a core at 0.05 s."""
+    stall_after_s: float = Field(30.0, ge=0, le=86_400)
+    """Seconds the run may have no training work to issue and none in flight, while every domain's reason is one
+    that will not pass by itself (retired or paused, over budget, every task retired, a generator that ran dry),
+    before the scheduler says the run cannot go on: ``stalled`` in ``GET /v1/status`` and a critical
+    ``run/stalled`` alert naming each domain's reason; ``flywheel run`` then ends with that message and writes its
+    report. An open breaker (its probe decides) or a generator making tasks is waiting, not stalled."""
     seed: int = 0
     """Seed of the task sampler."""
     consumer_group: str = Field("scheduler", min_length=1)

@@ -7,8 +7,8 @@ operator control records.
 - A change of whether a domain trains (breaker opened or closed, domain paused or resumed) is announced as
   a ``Control(command="domain_state")`` on flywheel.control: the trainer drops the groups of a domain that
   does not train (``circuit_open``, ``domain_paused``).
-- A breaker whose cool-down is over gets its probe: ``monitor.breaker.probe_groups`` training groups of the
-  domain's current level, sent like any group (the trainer drops them unseen: the domain still does not
+- A breaker whose cool-down is over gets its probe (unless its domain is paused or retired): the training
+  groups :meth:`~scheduler_service.monitor.DriftMonitor.probe_size` asks for, of the domain's current level, sent like any group (the trainer drops them unseen: the domain still does not
   train) and judged by the monitor when scored.
 - Control records (``shared.schemas.Control``) are read from flywheel.control in the consumer group
   ``<scheduler.consumer_group>-control`` and applied durably before their offsets are committed. The REST
@@ -94,12 +94,12 @@ class DriftGuard:
 
     # ------------------------------------------------------------ observations
 
-    async def on_reward(self, ev: RewardEvent, selected: bool = False) -> None:
-        """Feed one counted RewardEvent to the monitor (``selected``: of a re-sample of an unsolved group);
-        publish what it raises."""
+    async def on_reward(self, ev: RewardEvent, selected: bool = False, level: int | None = None) -> None:
+        """Feed one counted RewardEvent to the monitor (``selected``: of a re-sample of an unsolved group;
+        ``level``: the curriculum level its task was issued at); publish what it raises."""
         row = self.registry.domain(ev.domain)
         await self.emit(self.monitor.observe_reward(ev, row.config.level if row else None,
-                                                    self.registry.policy_version, selected))
+                                                    self.registry.policy_version, selected, level))
 
     async def on_metrics(self, m: Metrics) -> None:
         """Feed one Metrics record (the trainer's: run-wide KL and entropy)."""
@@ -116,9 +116,9 @@ class DriftGuard:
         await self.emit(self.monitor.expired_probes(v))
         for d in self.monitor.due_probes():
             row = self.registry.domain(d)
-            if row is None:
-                continue
-            k = self.cfg.monitor.breaker.probe_groups
+            if row is None or row.pause_reason is not None or row.config.state != "active":
+                continue  # a paused or retired domain issues nothing, probes included
+            k = self.monitor.probe_size(d)
             tasks = self.registry.next_train_tasks({d: (row.config.level, k)})[d]
             if not tasks:
                 continue  # nothing to probe with yet (a generator domain between batches)

@@ -171,6 +171,45 @@ class IssuePlanner:
                 self.mix.drop(d)
         return picks
 
+    def stall_reasons(self, making: set[str] | frozenset[str] = frozenset(),
+                      failed: set[str] | frozenset[str] = frozenset()) -> dict[str, str] | None:
+        """Why no domain can get training groups, per domain, when none of the reasons passes by itself; None when
+        some domain may still issue or is only waiting (its breaker's probe decides, a generator in ``making``
+        can still make tasks, or the last :meth:`plan` did not look at it). ``failed``: generator domains whose
+        generator raised. Call after a :meth:`plan` that picked nothing.
+
+        The reasons: ``retired``, ``paused`` (with the verifier's or an operator's reason), ``weight 0``, ``over
+        budget`` (the cap that binds), ``no live training task at level L`` (with how many are retired; for a
+        generator domain, that it ran dry or failed)."""
+        rows = self.registry.domain_rows()
+        summary = self.registry.task_summary()
+        out: dict[str, str] = {}
+        for d, r in sorted(rows.items()):
+            s = summary.get(d, {})
+            if not s.get("train"):
+                continue  # an evaluation-only domain never had training work
+            c = r.config
+            if c.state != "active":
+                out[d] = c.state
+            elif r.pause_reason is not None:
+                out[d] = f"paused: {r.pause_reason}"
+            elif c.weight <= 0:
+                out[d] = "weight 0"
+            elif d in self.blocked or d in making:
+                return None  # waiting: a probe, or a generator, decides
+            elif d in self.over_budget:
+                out[d] = f"over budget ({self.over_budget[d]})"
+            elif d in self.starved:
+                live = sum(s.get("live_by_level", {}).values())
+                why = f"no live training task at level {c.level} ({s.get('retired', 0)} of {s['train']} retired"
+                why += f", {live} live at other levels)" if live else ")"
+                if c.generator:
+                    why += ", and its generator " + ("failed (see the scheduler's log)" if d in failed else "ran dry")
+                out[d] = why
+            else:
+                return None
+        return out or None
+
     def _costs(self, domains: set[str]) -> dict[str, float] | None:
         """Expected seconds of work of one group per domain (:func:`work_per_group`: tool, sandbox and
         verifier seconds plus generation, not the time spent queueing behind other groups); a domain not

@@ -157,6 +157,10 @@ class StatusPublic(BaseModel):
     """Domains whose circuit breaker is not closed, with its state (``open``, ``half_open``)."""
     training_paused: dict[str, Any] | None = None
     """Set while training is paused run-wide: ``reason``, ``since``, ``by``."""
+    stalled: dict[str, Any] | None = None
+    """Set while the run cannot go on (``scheduler.stall_after_s``): ``since`` (Unix seconds), ``domains`` (each
+    domain's reason: retired, paused, over budget, every training task retired, a generator that ran dry) and
+    ``message``; the ``run/stalled`` alert says the same."""
 
 
 class ControlBody(BaseModel):

@@ -6,10 +6,12 @@ and each finished eval round, persists what it returns and publishes it (``sched
 **Windows.** Per domain, the latest ``monitor.window`` scored training samples (the *current* window) and
 the ``monitor.reference`` samples before them (the *reference*). Signals compare the two, so slow genuine
 learning moves both and only a change faster than the reference can follow stands out. A level move of the
-domain's curriculum restarts its windows (a new level's pass rate is expected to differ).
+domain's curriculum restarts its windows (a new level's pass rate is expected to differ), and a sample is judged
+at the level its task was issued at: those of groups still in flight at the move never enter the new level's
+windows.
 
-**Signals** (``scheduler_service.config.SIGNALS``; thresholds in ``DEFAULT_THRESHOLDS``, README
-"Drift monitoring" says why each):
+**Signals** (``scheduler_service.config.SIGNALS``; thresholds in ``DEFAULT_THRESHOLDS``, docs/guide.md,
+"Drift monitoring", says why each):
 
 - ``scorer_inconsistency``: the verifiers are deterministic, so the same completion of the same task must
   get the same reward whatever the policy does. The share of repeated (task, completion) pairs in the
@@ -33,15 +35,18 @@ domain's curriculum restarts its windows (a new level's pass rate is expected to
 - run-wide ``kl`` (``loss/kl_ref_mean``) and ``entropy_collapse`` (1 − ``loss/entropy`` over its first value).
 
 **Alerts** are deduplicated per ``<domain>/<signal>``: one record when the level (warning, critical) is
-reached or changes, one ``resolved`` when the value falls below every threshold.
+reached or changes, one ``resolved`` when the value falls below every threshold. They do not flap: a warning
+fires only after ``monitor.warn_after`` consecutive evaluations at or above it (a critical at once: it opens the
+breaker), and a firing alert resolves or steps down only below its threshold by ``monitor.resolve_margin``.
 
 **Breaker** per domain: a critical domain alert opens it (the pre-trip reference window is frozen, and
 the (task, completion) pairs first seen in the current window are forgotten: they may carry the fault's
 rewards). While open, the domain's samples are not recorded except a probe's. After ``cooldown_s`` it goes
-half-open and the sampler issues ``probe_groups`` groups; when they are all scored, the probe's samples are
-judged against the frozen reference with the same thresholds. No critical signal: the breaker closes and
-the windows restart from the frozen reference. Otherwise it opens again with the cool-down doubled (up to
-``max_cooldown_s``). A breaker opened by an operator (``manual``) is never probed: it waits for a close.
+half-open and the sampler issues a probe of :meth:`DriftMonitor.probe_size` groups; when they are all scored,
+the tripping signal is tested exactly against its tripping rate (``scheduler_service/probe.py``) and every other
+signal is judged against the frozen reference with the window rule. The test rejects the tripping condition and
+no other signal is critical: the breaker closes and the windows restart from the frozen reference. Otherwise it
+opens again with the cool-down doubled (up to ``max_cooldown_s``). A breaker opened by an operator (``manual``) is never probed: it waits for a close.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
 
 from scheduler_service.config import DEFAULT_THRESHOLDS, RUN_SIGNALS, SIGNALS, MonitorConfig, SignalThreshold
+from scheduler_service.probe import RateTest, rate_test, trials_needed
 from shared.schemas import Alert, Metrics, RewardEvent
 
 MIN_SURPRISAL = 0.05
@@ -353,6 +359,8 @@ class DriftMonitor:
         self.changed: set[str] = set()
         """Domains whose breaker changed since :meth:`take_changed` (to persist and announce)."""
         self._thresholds: dict[str, tuple[dict, int, dict[str, SignalThreshold]]] = {}
+        self._streak: dict[str, int] = {}
+        """Consecutive evaluations each alert key has been at warning or above (``monitor.warn_after``)."""
         self._run_rev = 0
         self._first_entropy: float | None = None
         self._eval_acc: dict[str, float] = {}
@@ -393,15 +401,21 @@ class DriftMonitor:
         return w
 
     def observe_reward(self, ev: RewardEvent, level: int | None, policy_version: int,
-                       selected: bool = False) -> list[Alert]:
-        """Take one counted RewardEvent of domain level ``level``; the alerts (and breaker moves) it causes.
+                       selected: bool = False, sample_level: int | None = None) -> list[Alert]:
+        """Take one counted RewardEvent while its domain is at level ``level``; the alerts (and breaker moves) it
+        causes.
 
         ``selected``: the sample's group was chosen for its past rewards (a re-sample of an unsolved group,
         ``budget.resample_unsolved``): it counts for the infra-error rate, the scorer's consistency and the
         group's diversity, but not in the reward windows, whose pass rate it would bias toward 0 (one
-        24-sample re-sample is most of a 32-sample window)."""
+        24-sample re-sample is most of a 32-sample window). ``sample_level``: the level the sample's task was
+        issued at (None: unknown, taken as ``level``); a sample of another level (a group still in flight when
+        the curriculum moved) is kept out of the reward windows the same way, so a promotion from a level the
+        model passes to one it fails is never a ``pass_rate_collapse``."""
         if not self.cfg.enabled:
             return []
+        if sample_level is not None and level is not None and sample_level != level:
+            selected = True
         w = self._watch(ev.domain)
         br = self.breakers.get(ev.domain)
         if br is not None and br.state != "closed":
@@ -455,24 +469,67 @@ class DriftMonitor:
             return []
         return self._finish_probe(domain, w, policy_version)
 
+    def _rate_test(self, domain: str, signal: str | None) -> RateTest | None:
+        """The probe test of ``domain``'s tripping ``signal`` against its frozen reference
+        (``scheduler_service/probe.py``); None for a signal that is not a rate."""
+        if signal is None:
+            return None
+        t = self.thresholds(domain).get(signal)
+        ref = self._watch(domain).frozen or []
+        n = len(ref)
+        rates = {"pass": sum(s.passed for s in ref) / n, "truncated": sum(s.truncated for s in ref) / n,
+                 "hacked": sum(s.hacked for s in ref) / n} if n else {}
+        return rate_test(signal, t.critical, t.min_rise, rates, t.warning) if t is not None and t.enabled else None
+
+    def probe_size(self, domain: str) -> int:
+        """Groups the next probe of ``domain`` takes: enough for its tripping signal's test to pass a healthy
+        domain with probability ``monitor.breaker.probe_power`` (``scheduler_service.probe.trials_needed``),
+        between ``probe_groups`` and ``probe_max_groups``."""
+        bc = self.cfg.breaker
+        test = self._rate_test(domain, self.breaker(domain).signal)
+        if test is None:
+            return bc.probe_groups
+        ref = self._watch(domain).frozen or []
+        k = 1 if test.per_group else max(1, round(len(ref) / max(1, len({s.group for s in ref})))) if ref else 8
+        n = trials_needed(test.bad, test.healthy, bc.probe_alpha, bc.probe_power, k, bc.probe_max_groups * k)
+        return max(bc.probe_groups, min(bc.probe_max_groups, math.ceil(n / k)))
+
     def _finish_probe(self, domain: str, w: DomainWatch, policy_version: int) -> list[Alert]:
+        """Judge a complete probe: its tripping signal by the exact test of ``scheduler_service/probe.py`` (a
+        signal that is not a rate, and every other signal, by the window rule against the frozen reference)."""
         p, br = w.probe, self.breakers[domain]
         w.probe = None
         ref = w.frozen or []
+        test = self._rate_test(domain, br.signal)
         readings = window_readings(p.samples, ref, p.infra, p.collapsed, p.repeats)
         small = max(1, min(self.cfg.min_samples, len(p.samples)))
         bad = {}
+        verdict = None
+        if test is not None:
+            trials = {"pass_rate_jump": [s.passed for s in p.samples],
+                      "pass_rate_collapse": [not s.passed for s in p.samples],
+                      "truncation_rate": [s.truncated for s in p.samples], "hack_rate": [s.hacked for s in p.samples],
+                      "infra_error_rate": p.infra, "scorer_inconsistency": p.repeats,
+                      "diversity_collapse": p.collapsed}[test.signal]
+            verdict = test.verdict(sum(map(bool, trials)), len(trials), self.cfg.breaker.probe_alpha)
         for sig, r in readings.items():
+            if verdict is not None and sig == test.signal and not verdict.inconclusive:
+                continue
             t = self.thresholds(domain)[sig]
             t = t.model_copy(update={"min_samples": min(t.min_samples or small, max(1, r.n))})
             if (r.n_ref is None or r.n_ref >= small) and level_of(r, t, small) == "critical":
                 bad[sig] = r
+        if verdict is not None and not verdict.passed and not verdict.inconclusive:
+            bad = {test.signal: readings.get(test.signal) or Reading(verdict.k / max(1, verdict.n), None,
+                                                                      verdict.n), **bad}
+        details = {"probe": verdict.to_dict()} if verdict is not None else {}
+        said = f" ({verdict.describe()})" if verdict is not None else ""
         if bad:
             sig = next(s for s in SIGNALS if s in bad)
             r = bad[sig]
             return [self._move(domain, br, "open", policy_version, trigger=sig, reading=r,
-                               why=f"the probe of {domain} failed on {', '.join(bad)}")]
-        return self._close(domain, br, policy_version, "the probe was healthy")
+                               why=f"the probe of {domain} failed on {', '.join(bad)}{said}", details=details)]
+        return self._close(domain, br, policy_version, f"the probe was healthy{said}", details=details)
 
     def observe_metrics(self, m: Metrics) -> list[Alert]:
         """Take the trainer's run-wide Metrics (``domain`` None): the ``kl`` and ``entropy_collapse`` signals."""
@@ -513,9 +570,10 @@ class DriftMonitor:
             if (domain is None) != (sig in RUN_SIGNALS):
                 continue
             t = th[sig]
-            lvl = level_of(r, t, self.cfg.min_samples)
             key = f"{domain if domain is not None else 'run'}/{sig}"
             old = self.active.get(key)
+            lvl = self._held(key, level_of(r, t, self.cfg.min_samples), old, r,
+                             streak=sig not in RUN_SIGNALS and sig != "eval_accuracy_drop")
             if lvl is None:
                 if old is not None and r.n >= (t.min_samples or self.cfg.min_samples):
                     del self.active[key]
@@ -534,6 +592,22 @@ class DriftMonitor:
                                   why=f"{trip[0]} is critical"))
         return out
 
+    def _held(self, key: str, lvl: str | None, old: Alert | None, r: Reading, streak: bool = True) -> str | None:
+        """The level an alert key takes after this evaluation, with Prometheus-style ``for`` and hysteresis: a
+        warning of a window signal (``streak``; not the eval rounds' or the run-wide signals, each of whose
+        evaluations is a whole round or step) is reached only after ``monitor.warn_after`` consecutive evaluations
+        at or above it (a critical at once); a firing alert keeps its level until the value is below the threshold
+        it crossed by ``monitor.resolve_margin`` of that threshold."""
+        self._streak[key] = self._streak.get(key, 0) + 1 if lvl is not None else 0
+        if old is not None and old.threshold is not None and LEVELS.index(lvl or "warning") <= LEVELS.index(
+                old.severity) and (lvl is None or lvl != old.severity):
+            held = r.value >= old.threshold - self.cfg.resolve_margin * abs(old.threshold)
+            if held:  # still within the margin of the threshold it crossed: no change yet
+                return old.severity
+        if lvl == "warning" and old is None and streak and self._streak[key] < self.cfg.warn_after:
+            return None
+        return lvl
+
     def _alert(self, domain: str | None, sig: str, r: Reading, threshold: float | None, status: str,
                severity: str, policy_version: int) -> Alert:
         where = domain if domain is not None else "the run"
@@ -551,7 +625,8 @@ class DriftMonitor:
     # ------------------------------------------------------------ breaker
 
     def _move(self, domain: str, br: Breaker, state: str, policy_version: int, trigger: str | None = None,
-              reading: Reading | None = None, why: str = "", manual: bool = False) -> Alert:
+              reading: Reading | None = None, why: str = "", manual: bool = False,
+              details: dict[str, Any] | None = None) -> Alert:
         """Open ``br`` (from closed, half-open or by an operator); the breaker alert."""
         w = self._watch(domain)
         now = self.clock()
@@ -571,15 +646,16 @@ class DriftMonitor:
         msg = (f"{domain}: circuit breaker open ({why}): no training groups of {domain} are issued, its groups in "
                f"flight are dropped by the trainer, evaluation goes on; "
                + ("it stays open until an operator closes it." if manual
-                  else f"a probe of {bc.probe_groups} group(s) goes out in {br.cooldown_s:.0f} s."))
+                  else f"a probe of {self.probe_size(domain)} group(s) goes out in {br.cooldown_s:.0f} s."))
         a = Alert(domain=domain, signal="breaker", status="firing", severity="critical",
                   value=reading.value if reading else None, policy_version=policy_version, message=msg,
                   details={"state": "open", "trigger": trigger, "trips": br.trips, "cooldown_s": br.cooldown_s,
-                           "manual": manual})
+                           "manual": manual, **(details or {})})
         self.active[a.key] = a
         return a
 
-    def _close(self, domain: str, br: Breaker, policy_version: int, why: str) -> list[Alert]:
+    def _close(self, domain: str, br: Breaker, policy_version: int, why: str,
+               details: dict[str, Any] | None = None) -> list[Alert]:
         w = self._watch(domain)
         br.state, br.since, br.manual = "closed", self.clock(), False
         br.probe_groups, br.probe_deadline = [], None
@@ -590,7 +666,7 @@ class DriftMonitor:
         self.active.pop(f"{domain}/breaker", None)
         out = [Alert(domain=domain, signal="breaker", status="resolved", severity="info", policy_version=policy_version,
                      message=f"{domain}: circuit breaker closed ({why}); its training groups are issued again.",
-                     details={"state": "closed", "trips": br.trips})]
+                     details={"state": "closed", "trips": br.trips, **(details or {})})]
         for key in [k for k in self.active if k.startswith(f"{domain}/")]:  # judged afresh from the new windows
             old = self.active.pop(key)
             out.append(old.model_copy(update={"status": "resolved", "time": time.time(), "policy_version": policy_version,

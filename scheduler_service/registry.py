@@ -168,6 +168,9 @@ class RewardOutcome:
     selected: bool = False
     """The event's group was chosen for what it scored before (a re-sample of an unsolved group): its samples
     are not a fair sample of the domain's pass rate (the drift monitor leaves them out of its windows)."""
+    level: int | None = None
+    """The curriculum level of the event's task (a scored training sample; None otherwise): the level the sample
+    was issued at, which after a level move differs from the domain's."""
 
 
 def canonical_payload(task: Task) -> str:
@@ -216,7 +219,7 @@ class Registry(DomainTables, MonitorTables):
         self._db.executescript(_SCHEMA)
         # columns a registry written by an earlier version lacks: re-samples, the trainer's drops, domains
         _add_columns(self._db, "groups", {"resample_of": "TEXT", "dropped": "TEXT", "domain": "TEXT",
-                                          # issue 19: failed sends and broker restarts
+                                          # failed sends and broker restarts
                                           "send_failures": "INTEGER NOT NULL DEFAULT 0", "retry_at": "REAL",
                                           "abandon_reason": "TEXT", "free_attempts": "INTEGER NOT NULL DEFAULT 0"})
         _add_columns(self._db, "tasks", TASK_COLUMNS)
@@ -610,7 +613,7 @@ class Registry(DomainTables, MonitorTables):
     def release_groups(self, group_ids: list[str], backoff_s: float = 1.0, max_backoff_s: float = 30.0
                        ) -> dict[str, float]:
         """Put issued groups whose request could not be sent back to ``pending``: :meth:`take_pending` hands
-        them out again after ``min(max_backoff_s, backoff_s · 2^(failures − 1))`` seconds (issue 19: a failed
+        them out again after ``min(max_backoff_s, backoff_s · 2^(failures − 1))`` seconds (without it a failed
         send left every row ``issued`` until its deadline, 3 × 600 s for an eval round).
 
         Returns:
@@ -787,12 +790,14 @@ class Registry(DomainTables, MonitorTables):
         )
         scored = not ev.infra_error
         notes = []
+        level = None
         self._account(db, ev)
         if scored:
             db.execute("UPDATE tasks SET samples = samples + 1, passes = passes + ? WHERE task_id = ?",
                        (int(ev.passed), ev.task_id))
             if g["purpose"] == "train":
                 t = db.execute("SELECT domain, level FROM tasks WHERE task_id = ?", (ev.task_id,)).fetchone()
+                level = t["level"]
                 notes.append(self._curriculum(db, t["domain"], t["level"], ev.passed))
         if completed:
             notes.append(self._lifecycle(db, g, time.time()))
@@ -801,7 +806,7 @@ class Registry(DomainTables, MonitorTables):
                 and g["dropped"] is None):  # a dropped group's slot was already given to a new group
             resample = self._resample_unsolved(db, g, self._resample_size(g["domain"], resample_n))
         return RewardOutcome(True, True, scored, completed, resample, tuple(n for n in notes if n),
-                             g["resample_of"] is not None)
+                             g["resample_of"] is not None, level)
 
     def _resample_size(self, domain: str | None, resample_n: int) -> int:
         """Samples of a re-sample: ``budget.resample_unsolved``, or the domain's adaptive ``max`` when larger

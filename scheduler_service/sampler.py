@@ -56,6 +56,7 @@ from scheduler_service.issuing import IssuePlanner, TaskMaker
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.registry import IssuedGroup, Registry, RewardOutcome
 from scheduler_service.reports import Reporter
+from scheduler_service.stall import StallWatch
 from scheduler_service.stats import Stats
 from shared import topics
 from shared.kafka import commit_batch, decode_or_dead_letter, ensure_topics, make_admin, make_consumer, send
@@ -128,6 +129,8 @@ class Sampler:
         self.planner = IssuePlanner(config, registry)
         self.maker = TaskMaker(config, registry)
         self.guard = DriftGuard(config, registry, producer, self.planner.blocked, metrics=self.metrics)
+        self.stall = StallWatch(config.scheduler.stall_after_s)
+        """Whether the run can go on (``run/stalled``)."""
         self.reports = Reporter(registry, stats, producer, config.scheduler.metrics_interval_s,
                                 lambda: {d: b.state for d, b in self.guard.monitor.breakers.items()},
                                 lambda: len(self.guard.monitor.active))
@@ -384,6 +387,24 @@ class Sampler:
             picks = self.planner.plan(budget)
             if picks:
                 await self._send(self.registry.issue_train_groups(picks, self.cfg.scheduler.group_deadline_s))
+            await self._watch_stall(not picks and not in_flight)
+
+    async def _watch_stall(self, idle: bool) -> None:
+        """After a pass with room for training groups: when it issued none and none is in flight, whether that
+        will pass by itself (:class:`scheduler_service.stall.StallWatch`)."""
+        reasons = None
+        if idle and (self._making is None or self._making.done()):
+            rows = self.registry.domain_rows()
+            making = {d for d, r in rows.items() if r.config.generator and r.issuable and d not in self.maker.failed
+                      and self.maker.needs(r, True)}
+            reasons = self.planner.stall_reasons(making, set(self.maker.failed))
+        alerts = self.stall.observe(reasons, self.registry.policy_version)
+        for a in alerts:
+            if a.status == "firing":
+                self.guard.monitor.active[a.key] = a
+            else:
+                self.guard.monitor.active.pop(a.key, None)
+        await self.guard.emit(alerts)
 
     def _learnable(self, budget: int) -> list[str]:
         """Up to ``replay_fraction · budget`` (stochastically rounded) partly solved tasks, drawn
@@ -399,7 +420,7 @@ class Sampler:
 
     def _request(self, g: IssuedGroup) -> "SplicedRequest":
         """The RolloutRequest of ``g`` with the task's stored JSON spliced in as is (it was validated when
-        registered; re-validating 2K + 3 times per group is what issue 20 measured)."""
+        registered; re-validating it 2K + 3 times per group was measurable)."""
         sc = self.cfg.scheduler
         greedy = g.purpose == "eval"
         sampling = SamplingParams(max_new_tokens=g.max_tokens or sc.max_tokens,
@@ -413,7 +434,7 @@ class Sampler:
     async def _send(self, groups: list[IssuedGroup]) -> list[IssuedGroup]:
         """Send requests whose rows are written and wait for every ack; returns the groups sent.
 
-        A group whose send fails is never left ``issued`` until its deadline (issue 19, item 5): on one of
+        A group whose send fails is never left ``issued`` until its deadline: on one of
         :data:`PERMANENT_SEND_ERRORS` it is abandoned with the reason (``Registry.abandon_groups``), on any
         other error (broker down, timeout) it goes back to ``pending`` and a later pass re-sends it after a
         backoff (``Registry.release_groups``, :data:`SEND_RETRY_BACKOFF_S`).
@@ -649,7 +670,7 @@ class Sampler:
                       "then POST /v1/domains/%s/resume", ev.domain, ev.task_id, ev.reason, ev.domain)
             await self.guard.announce(ev.domain)
         if outcome.counted:
-            await self.guard.on_reward(ev, selected=outcome.selected)
+            await self.guard.on_reward(ev, selected=outcome.selected, level=outcome.level)
         self.stats.on_reward(ev, outcome, version)
         self.metrics.reward(ev, outcome, version)
         if outcome.completed:

@@ -2,7 +2,8 @@
 
 Layout under ``run.checkpoint_dir``::
 
-    v000003/model.safetensors    weights of policy version 3 (what rollout engines load)
+    v000003/model.safetensors    weights of policy version 3 (what rollout engines load), or with
+                                 trainer.lora adapter_model.safetensors, its LoRA adapters (shared/lora.py)
     v000003/update.json          its WeightUpdate record (the version is published once this exists)
     v000003/trained_groups.json  ids of the groups trained in the step that made this version
     v000003/optimizer.pt         AdamW moments (the bulk: twice the weights)
@@ -29,7 +30,7 @@ only the newest complete version keeps ``optimizer.pt`` and ``trainer_state.pt``
 optimizer state too (``trainer.drop_optimizer_on_finish``, or ``flywheel clean``). Files written before
 this layout (the optimizer inside ``trainer_state.pt``) still load.
 
-``optimizer.pt`` is written with direct I/O (:class:`DirectFile`, issue 20): a file that only resume reads
+``optimizer.pt`` is written with direct I/O (:class:`DirectFile`): a file that only resume reads
 has no business in the page cache, and on this machine's virtual disk buffered writes of ~1.6 GB per step
 cost the machine 1.6-2.0 CPU-seconds per step (mostly kernel time: page-cache allocation, reclaim and
 writeback) against 0.6-0.9 with the optimizer state through ``O_DIRECT`` (``benchmarks/checkpoint_io.py``). The weights stay buffered: the rollout engines
@@ -62,14 +63,18 @@ except ImportError:  # a torch without the setting: _torch_crc32 is a no-op
     _TORCH_SAVE = None
 from safetensors.torch import load_file, save_file
 
-from shared.schemas import TensorInfo, WeightUpdate, decode
+from shared.schemas import AdapterInfo, TensorInfo, WeightUpdate, decode
 
 log = logging.getLogger("checkpoint")
+WEIGHTS_FILE = "model.safetensors"
+"""A version's full weights."""
+ADAPTER_FILE = "adapter_model.safetensors"
+"""A LoRA version's adapters (``trainer.lora``; ``shared/lora.py``), in peft's layout."""
 T = TypeVar("T")
 
 CHECKSUMS: dict[str, Callable[[], Any]] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 """Checksum algorithms by the prefix of ``WeightUpdate.checksum`` (``<algorithm>:<hex>``). Weights are written with
-``xxh3_128`` since issue 20 (about 14x faster than sha256 here: the check is on the critical path of every
+``xxh3_128`` (about 14x faster than sha256 here: the check is on the critical path of every
 step, written by the trainer and verified by each rollout engine); ``sha256`` records still verify. Neither is
 a signature: the checksum catches a torn or corrupted file; who may write the checkpoint store is the access
 control (docs/security.md)."""
@@ -381,11 +386,12 @@ class CheckpointStore:
         return self.root / f"v{version:06d}"
 
     def save_weights(self, weights: dict[str, torch.Tensor], model_name: str, version: int, step: int,
-                     trained_groups: list[str] | None = None) -> WeightUpdate:
+                     trained_groups: list[str] | None = None, adapter: AdapterInfo | None = None) -> WeightUpdate:
         """Phase 1: write the weights (from :func:`snapshot_weights`) of ``version``; returns its WeightUpdate.
 
         Everything is written into ``vNNNNNN.tmp`` and renamed, so ``update.json`` never points at a
-        partial file. ``trained_groups`` are the ids of the groups this step trained.
+        partial file. ``trained_groups`` are the ids of the groups this step trained. With ``adapter``,
+        ``weights`` are LoRA adapters (``shared.lora.adapter_state``), written to ``adapter_model.safetensors``.
 
         Raises:
             DiskFullError: the file system is full; the temporary directory was removed.
@@ -396,10 +402,11 @@ class CheckpointStore:
 
         def write() -> WeightUpdate:
             tmp.mkdir(parents=True)
-            save_file(weights, str(tmp / "model.safetensors"))
+            name = ADAPTER_FILE if adapter is not None else WEIGHTS_FILE
+            save_file(weights, str(tmp / name))
             update = WeightUpdate(model=model_name, version=version, step=step, transport="checkpoint",
-                                  path=str(d / "model.safetensors"), manifest=manifest(weights),
-                                  checksum=file_checksum(tmp / "model.safetensors"))
+                                  path=str(d / name), manifest=manifest(weights),
+                                  checksum=file_checksum(tmp / name), adapter=adapter)
             (tmp / "update.json").write_bytes(update.encode())
             (tmp / "trained_groups.json").write_text(json.dumps(sorted(trained_groups or [])))
             return update
@@ -457,9 +464,10 @@ class CheckpointStore:
         return checksum
 
     def save(self, weights: dict[str, torch.Tensor], model_name: str, version: int, step: int,
-             trainer_state: dict | None, trained_groups: list[str] | None = None) -> WeightUpdate:
+             trainer_state: dict | None, trained_groups: list[str] | None = None,
+             adapter: AdapterInfo | None = None) -> WeightUpdate:
         """Both phases at once (``trainer_state`` None: weights only, e.g. a base model for rollout tests)."""
-        update = self.save_weights(weights, model_name, version, step, trained_groups)
+        update = self.save_weights(weights, model_name, version, step, trained_groups, adapter)
         if trainer_state is not None:
             self.save_trainer_state(update, trainer_state)
         else:
@@ -555,12 +563,13 @@ class CheckpointStore:
                     (self.version_dir(v) / name).unlink(missing_ok=True)
 
 
-def load_weights(model: torch.nn.Module, update: WeightUpdate, verify: bool = True) -> None:
-    """Load the weights a WeightUpdate points to into ``model``.
+def read_update(update: WeightUpdate, verify: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors of the file a WeightUpdate points to (full weights, or a LoRA adapter), its checksum checked.
 
     Raises:
         FileNotFoundError: the version was pruned or never written.
-        ValueError: the file's checksum differs from the record's, or names an unknown algorithm.
+        ValueError: the record has no path, or the file's checksum differs from the record's or names an
+            unknown algorithm.
     """
     if update.path is None:
         raise ValueError(f"weight version {update.version} has no checkpoint path")
@@ -568,7 +577,20 @@ def load_weights(model: torch.nn.Module, update: WeightUpdate, verify: bool = Tr
         got = file_checksum(update.path, update.checksum.partition(":")[0])
         if got != update.checksum:
             raise ValueError(f"weight version {update.version}: checksum {got} != {update.checksum}")
-    load_weights_file(model, update.path)
+    return load_file(str(update.path))
+
+
+def load_weights(model: torch.nn.Module, update: WeightUpdate, verify: bool = True) -> None:
+    """Load the full weights a WeightUpdate points to into ``model``.
+
+    Raises:
+        FileNotFoundError: the version was pruned or never written.
+        ValueError: the version is a LoRA adapter (:class:`shared.lora.AdapterApplier` serves those), or as
+            :func:`read_update`.
+    """
+    if update.adapter is not None:
+        raise ValueError(f"weight version {update.version} is a LoRA adapter, not full weights")
+    load_weights_state(model, read_update(update, verify), str(update.path))
 
 
 def load_weights_file(model: torch.nn.Module, path: str | os.PathLike) -> None:

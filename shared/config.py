@@ -44,7 +44,7 @@ class KafkaConfig(BaseModel):
     metadata_max_age_ms: int = Field(5000, ge=500, le=300000)
     """Milliseconds after which every client refreshes its cluster and topic metadata even without an
     error. aiokafka's default of 300,000 (5 minutes) kept the services blind to a restarted broker's new
-    topics for minutes (issue 19); 5 s costs one small Metadata request per client every 5 s."""
+    topics for minutes; 5 s costs one small Metadata request per client every 5 s."""
     retry_backoff_ms: int = Field(200, ge=10, le=10000)
     """aiokafka's back-off before retrying a failed request or metadata refresh (its default is 100)."""
     request_timeout_ms: int = Field(15000, ge=1000, le=300000)

@@ -10,7 +10,7 @@ Every client gets the same connection settings from :class:`shared.config.KafkaC
 (:func:`client_options`: metadata refresh, retry back-off, request timeout, and the optional
 SASL/SSL security of an external Apache Kafka).
 
-Broker outages (issue 19): aiokafka hides a dead broker (``getmany`` returns nothing, errors are only
+Broker outages: aiokafka hides a dead broker (``getmany`` returns nothing, errors are only
 logged) and, after an *empty* broker comes back on the same port (memory storage: topics and committed
 offsets gone), a consumer without a group keeps its old position and silently skips the new topic's
 first records (measured: at position 5, records 0..4 of the new topic were never returned). A service

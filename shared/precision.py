@@ -58,15 +58,34 @@ def _cpu_flags() -> set[str]:
 
 
 def cpu_model() -> str:
-    """The CPU's ``model name`` from ``/proc/cpuinfo`` (``"unknown CPU"`` where it is missing)."""
+    """The CPU as benchmark figures name it: ``model name`` from ``/proc/cpuinfo`` with its family and model
+    numbers (``AMD EPYC (family 25 model 1)``: a virtual machine's name alone does not tell Zen 3 from Zen 4);
+    ``"unknown CPU"`` where it is missing. :func:`cpu_features` says what it can do."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip() and fields:
+                    break
     except OSError:
         pass
-    return "unknown CPU"
+    if "model name" not in fields:
+        return "unknown CPU"
+    if "cpu family" in fields and "model" in fields:
+        return f"{fields['model name']} (family {fields['cpu family']} model {fields['model']})"
+    return fields["model name"]
+
+
+def cpu_features() -> str:
+    """The vector features that decide Flywheel's speed, from the CPU's flags: ``avx2 avx512f avx512_bf16
+    amx_bf16`` as present, or ``none of avx2, avx512f, avx512_bf16, amx_bf16``."""
+    flags = _cpu_flags()
+    have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return " ".join(have) if have else "none of avx2, avx512f, avx512_bf16, amx_bf16"
 
 
 def _torch_cpu_bf16() -> tuple[bool, str]:

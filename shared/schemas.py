@@ -209,7 +209,7 @@ def check_task_id(v: str) -> str:
 class Task(Record, TaskBody):
     """flywheel.tasks, key task_id. Producer: scheduler (on registration). Consumers: analytics.
 
-    Version 2 (issue 19): every field of the task and its verifier spec is bounded (sizes, numbers), and
+    Version 2: every field of the task and its verifier spec is bounded (sizes, numbers), and
     ``kind`` is required in the spec's schema; RolloutRequest, Trajectory and ScoredTrajectory, which carry
     a Task, are version 2 with it."""
 
@@ -425,7 +425,7 @@ class ScoredReward(BaseModel):
 class ScoredTrajectory(Record):
     """flywheel.scored, key group_id. Producer: verifier. Consumer: trainer.
 
-    Version 3 (issue 20): lean, what the trainer trains on (:class:`TrainSample`, :class:`ScoredReward`);
+    Version 3: lean, what the trainer trains on (:class:`TrainSample`, :class:`ScoredReward`);
     version 2 carried the whole Trajectory (its task, unit-test source included) and Reward. The full
     trajectory stays on flywheel.trajectories and the reward's summary on flywheel.rewards. Tolerant
     decoding: a version-2 record (an older verifier's, during an upgrade) still decodes, to its lean part.
@@ -531,6 +531,25 @@ class TensorInfo(BaseModel):
     dtype: str
 
 
+class AdapterInfo(BaseModel):
+    """A policy version published as a LoRA adapter over the frozen base model (``trainer.lora``,
+    ``shared/lora.py``): each module's weight is W + (alpha / r) · B A."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    kind: Literal["lora"] = "lora"
+    r: int = Field(ge=1, le=4096)
+    """Rank of every adapter."""
+    alpha: float = Field(gt=0, le=1e6, allow_inf_nan=False)
+    """LoRA's alpha: the update is scaled by alpha / r."""
+    target_modules: list[Annotated[str, Field(min_length=1, max_length=512)]] = Field(min_length=1, max_length=100_000)
+    """Paths of the adapted linear modules in the base model (``model.layers.0.self_attn.q_proj``...)."""
+
+    @property
+    def scale(self) -> float:
+        """alpha / r, the factor of B A."""
+        return self.alpha / self.r
+
+
 class WeightUpdate(Record):
     """flywheel.weights, key model name. Producer: trainer. Consumers: rollout (every replica), scheduler."""
 
@@ -543,11 +562,14 @@ class WeightUpdate(Record):
     """Safetensors file of this version in the checkpoint store (transport ``checkpoint``)."""
     manifest: list[TensorInfo]
     checksum: str
-    """``<algorithm>:<hex>`` of the safetensors file: ``xxh3_128`` (written since issue 20) or ``sha256``
+    """``<algorithm>:<hex>`` of the safetensors file: ``xxh3_128`` (what the trainer writes) or ``sha256`` (older records)
     (``shared.checkpoint.CHECKSUMS``)."""
     receivers: list[str] = Field(default_factory=list, max_length=4096)
     """Transport ``distributed``: the rollout engines in this version's broadcast session (the others,
     and any whose session fails, load the safetensors file)."""
+    adapter: AdapterInfo | None = None
+    """Set when the version is a LoRA adapter (``path`` then names its ``adapter_model.safetensors``, in peft's
+    layout); None: ``path`` holds the full weights."""
     created_at: float = Field(default_factory=time.time)
 
 
@@ -640,11 +662,11 @@ class Alert(Record):
     domain: str | None = None
     """The domain the signal is about (``None``: run-wide, e.g. the trainer's KL)."""
     signal: str = Field(min_length=1, max_length=64)
-    """Signal name (README "Drift monitoring"): ``pass_rate_jump``, ``truncation_rate``, ``breaker``..."""
+    """Signal name (docs/guide.md, "Drift monitoring"): ``pass_rate_jump``, ``truncation_rate``, ``breaker``..."""
     status: Literal["firing", "resolved"] = "firing"
     severity: Severity = "warning"
     value: float | None = None
-    """The signal's value over the window (units per signal; README)."""
+    """The signal's value over the window (units per signal; docs/guide.md)."""
     threshold: float | None = None
     """The threshold the value crossed (for ``resolved``: the one it had crossed)."""
     reference: float | None = None

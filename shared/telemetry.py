@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -149,8 +150,57 @@ class _TraceFilter(logging.Filter):
         return True
 
 
+class RateLimitFilter(logging.Filter):
+    """Lets through at most ``burst`` records of one kind per ``window_s`` from the loggers under ``prefixes``
+    (a kind: logger, level and the unformatted message, so every "Unable connect to node %s" is one kind); the
+    first record let through after a suppression says how many were dropped. Other loggers pass untouched.
+
+    Why: while the broker is away aiokafka logs every failed connection attempt of every client, about 3,800
+    ERROR lines a minute in one trainer, which a long outage turns into a full disk; the services' own
+    broker watch already says once that the broker is gone and when it is back.
+
+    One instance serves every handler: the decision is made once per record and kept on it.
+    """
+
+    def __init__(self, prefixes: tuple[str, ...] = ("aiokafka", "kafka"), burst: int = 5, window_s: float = 60.0,
+                 clock=None) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+        self.burst = burst
+        self.window_s = window_s
+        self.clock = clock or time.monotonic
+        self._seen: dict[tuple[str, int, str], list[float]] = {}
+        """kind -> [window start, records let through in it, records suppressed since the last one let through]"""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        verdict = getattr(record, "_flywheel_rate_limit", None)
+        if verdict is not None:
+            return verdict
+        if not record.name.startswith(self.prefixes):
+            verdict = True
+        else:
+            key = (record.name, record.levelno, str(record.msg))
+            now = self.clock()
+            st = self._seen.get(key)
+            if st is None or now - st[0] >= self.window_s:
+                st = self._seen[key] = [now, 0, st[2] if st else 0]
+            verdict = st[1] < self.burst
+            if verdict:
+                st[1] += 1
+                if st[2]:
+                    record.msg = f"{record.msg} [{st[2]} more like this suppressed]"
+                    st[2] = 0
+            else:
+                st[2] += 1
+            if len(self._seen) > 4096:  # kinds that stopped long ago
+                self._seen = {k: v for k, v in self._seen.items() if now - v[0] < self.window_s}
+        record._flywheel_rate_limit = verdict
+        return verdict
+
+
 def setup_logging(service: str, level: str = "INFO", log_dir: str | os.PathLike | None = None) -> logging.Logger:
-    """Structured log lines (time, service, level, trace id, message) to stderr and ``log_dir/<service>.log``."""
+    """Structured log lines (time, service, level, trace id, message) to stderr and ``log_dir/<service>.log``;
+    aiokafka's repeated lines are rate-limited (:class:`RateLimitFilter`)."""
     fmt = logging.Formatter("%(asctime)s %(service)s %(levelname)s trace=%(trace_id)s %(name)s: %(message)s")
     root = logging.getLogger()
     root.handlers.clear()
@@ -158,8 +208,10 @@ def setup_logging(service: str, level: str = "INFO", log_dir: str | os.PathLike 
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(Path(log_dir) / f"{service}.log"))
+    limit = RateLimitFilter()
     for h in handlers:
         h.setFormatter(fmt)
+        h.addFilter(limit)
         h.addFilter(_TraceFilter(service))
         root.addHandler(h)
     root.setLevel(level)

@@ -25,7 +25,7 @@ EXTRACTIONS = Literal["last_number", "answer_tag", "boxed", "full"]
 MAX_PATTERN_CHARS = 10_000
 """Longest regular expression accepted (characters). Compiling one this long takes at most ~60 ms
 (measured with the ``regex`` package: literals, alternations, groups, nested repeats), so the
-patterns of a request cost a bounded time; a 5 MB pattern took 26 s (issue 19)."""
+patterns of a request cost a bounded time; a 5 MB pattern took 26 s."""
 MAX_PATTERNS_CHARS = 100_000
 """Most characters of all the ``extra_patterns`` of one safety rule together (~0.6 s to compile)."""
 MAX_TEXT_CHARS = 1_000_000
@@ -167,6 +167,17 @@ class JudgeRubric(BaseModel):
         return self
 
 
+def safe_default_recipe() -> "Recipe":
+    """The verifier's recipe for a task that names none (from REST, a YAML, a generator or an environment):
+    correctness, a completion cut off at its token budget earns 0 (the truncation gate: a right answer that was
+    still going is not full credit), and a detected reward hack earns 0 (``hack_policy: zero``)."""
+    return Recipe(rules=[TruncationRule()], gates=["truncation"])
+
+
+NO_TRUNCATION_GATE = "no truncation gate"
+"""The start of every shipped opt-out's ``reason``."""
+
+
 class Recipe(BaseModel):
     """How the layers compose into ``Reward.total``.
 
@@ -188,6 +199,15 @@ class Recipe(BaseModel):
     """Weight per component (≥ 0, at least one > 0)."""
     hack_policy: Literal["flag", "zero"] = "zero"
     """``zero``: a detected reward hack makes the total 0; ``flag``: it is only reported and counted."""
+    reason: str | None = Field(None, max_length=2000)
+    """Why this recipe leaves out a safe default (the truncation gate, ``hack_policy: zero``): the verifier's
+    default recipe gates truncation, so a task opts out only with a recipe of its own, which says why here."""
+
+    @property
+    def opts_out(self) -> bool:
+        """Whether this recipe only opts out of the safe default: a ``reason`` and nothing else set. Such a
+        task's domain recipe in the verifier service still applies; without one, correctness alone."""
+        return self.reason is not None and self.model_dump(exclude={"reason"}) == Recipe().model_dump(exclude={"reason"})
 
     @model_validator(mode="after")
     def _consistent(self) -> "Recipe":

@@ -4,11 +4,24 @@ from __future__ import annotations
 
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
 from flywheel.broker import EmbeddedBroker, die_with_parent, free_port, stop_pid
 from shared.config import KafkaConfig
+
+
+E2E_DIR = Path(__file__).resolve().parent / "e2e"
+"""Whole-system tests: every test under it is marked ``e2e`` (their own tier: ``pytest -m "e2e and not slow"``)."""
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark the tests under ``tests/e2e/`` ``e2e``: the default run (``-m 'not slow and not e2e'``) leaves them
+    to the e2e tier."""
+    for item in items:
+        if E2E_DIR in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,8 @@ from scheduler_service.state import SchedulerState
 from shared.auth import auth_headers
 from shared.config import RunConfig
 
+pytestmark = pytest.mark.e2e  # property-based runs of both OpenAPIs (about 2 minutes): the e2e tier
+
 MAX_EXAMPLES = 25
 """Examples per operation (the generator's explicit and coverage cases come on top)."""
 TOKEN = "schemathesis-test-token-0123456789"

@@ -45,6 +45,26 @@ def for_loss(p: Precision, off_policy: str) -> Precision:
                                          f"as policy change; {p.hardware})")
 
 
+class LoraConfig(BaseModel):
+    """``trainer.lora``: train low-rank adapters (peft) instead of every weight (``shared/lora.py``).
+
+    Only the adapters get gradients and AdamW state; each version's weights event carries the adapter
+    (``adapter_model.safetensors``, a few MB) and the rollout engines apply it to the base model. LoRA needs a
+    larger learning rate than full fine-tuning: about 10x for the same result in RL at moderate rank ("LoRA
+    Without Regret", Schulman et al., Thinking Machines 2025), which ``docs/lora.md`` checks on the main job."""
+
+    model_config = ConfigDict(extra="forbid")
+    r: int = Field(16, ge=1, le=1024)
+    """Rank of each adapter."""
+    alpha: float = Field(32.0, gt=0, le=1e6)
+    """Scale numerator: the adapter's update is (alpha / r) · B A."""
+    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    """``all-linear`` (every linear layer of the body, not the output layer: the paper's finding is that
+    attention-only LoRA underperforms) or module-name suffixes (``[q_proj, v_proj]``)."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input while training (0: the trainer's log-probs are the served policy's)."""
+
+
 class TrainerConfig(BaseModel):
     """Trainer settings. Env names: ``FLYWHEEL_TRAINER__<FIELD>``."""
 
@@ -116,8 +136,7 @@ class TrainerConfig(BaseModel):
     log-probs differ from the behaviour log-probs by numerical noise (``mismatch/onpolicy_abs_logp_diff``,
     about 0.03 nats per token for SmolLM2 with a bf16 rollout), which a PPO clip against the behaviour policy
     takes for policy change. Measured on 2 cores: a SmolLM2 trainer step about 1.25x faster alone; the main job
-    in 0.70x the wall time of fp32, held-out accuracy within 0.04 at steps 20 and 30 over 2 seeds (README,
-    "bf16")."""
+    in 0.70x the wall time of fp32, held-out accuracy within 0.04 at steps 20 and 30 over 2 seeds (docs/results.md)."""
     output_bf16: FlagChoice = "auto"
     """``auto`` (as ``autocast_bf16``), or true/false. Compute the output layer's matmuls (forward and backward, ``[tokens, 576] @ [576, 49152]`` for SmolLM2) in
     bf16 on the CPU's matrix units; the log-sum-exp, the log-probs and the entropy stay float32, the master
@@ -152,6 +171,9 @@ class TrainerConfig(BaseModel):
     committed, and the next start resumes at that version exactly and announces its weights (that step's
     metrics records are not sent). A stop between two broker sessions (during an outage) gives them up at
     once. With ``null_step`` nothing is written, so nothing is resumed either."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters instead of every weight (:class:`LoraConfig`); None: full fine-tuning. Needs
+    ``weights.transport: checkpoint`` and the torch rollout engine."""
     seed: int = 0
     """Seed of torch and the trainer's RNG."""
     null_step: bool = False
@@ -180,6 +202,13 @@ class TrainerSettings(Settings):
     """A factory, not an instance: with ``nested_model_default_partial_update`` pydantic-settings merges the
     dump of a default *instance* under the file and the environment, which would fill a ``loss: {kind:
     dapo}`` mapping with ``grpo``'s defaults (and reject ``gspo``'s missing fields)."""
+
+    @model_validator(mode="after")
+    def _lora_transport(self) -> "TrainerSettings":
+        """Raises ValueError for LoRA with the broadcast transport (it sends full weights only)."""
+        if self.trainer.lora is not None and self.weights.transport != "checkpoint":
+            raise ValueError("trainer.lora needs weights.transport: checkpoint (the broadcast sends full weights)")
+        return self
 
     @classmethod
     def normalise(cls, data: dict[str, Any]) -> dict[str, Any]:

@@ -35,11 +35,10 @@ import torch
 from aiokafka import TopicPartition
 
 from shared import kafka, topics
-from shared.checkpoint import (CheckpointStore, DiskFullError, DiskLevel, DiskPolicy, checkpoint_bytes, load_weights,
-                               live_weights, snapshot_weights)
+from shared.checkpoint import CheckpointStore, DiskFullError, DiskLevel, DiskPolicy, checkpoint_bytes
 from shared.metrics import serve_metrics
 from shared.model import load_model, load_tokenizer, resolve_model_dir
-from shared.schemas import Alert, GroupDropped, Metrics, ScoredTrajectory, WeightUpdate
+from shared.schemas import AdapterInfo, Alert, GroupDropped, Metrics, ScoredTrajectory, WeightUpdate
 from shared.telemetry import flush_tracing
 from shared.threads import CoreBurst
 from shared.threads import attach as attach_burst
@@ -96,7 +95,7 @@ def build_trainer(config: TrainerSettings) -> tuple[PolicyTrainer, CheckpointSto
                                "trainer.drop_optimizer_on_finish or flywheel clean), so training cannot go on from it "
                                f"exactly to budget.max_steps={config.budget.max_steps}; start a new run directory")
     if published is not None:
-        load_weights(trainer.model, published)
+        trainer.load_published(published)
         if complete is None or published.version != complete.version:
             log.warning("policy version %d was published without its trainer state: resuming at it with the "
                         "optimizer state of version %s", published.version,
@@ -469,11 +468,11 @@ class TrainLoop:
             try:
                 # the live tensors, no copy (1.6 GB for SmolLM2: 0.2 s of the step): the next optimizer step waits
                 # for the publisher to have written them (PolicyTrainer.update_gate, set by StepSnapshot.release)
-                weights, state = live_weights(trainer.model), trainer.state_dict(done, copy_optimizer=False)
+                weights, state = trainer.published_weights(), trainer.state_dict(done, copy_optimizer=False)
                 gate = trainer.update_gate
                 gate.clear()
             except ValueError:  # a CUDA or non-contiguous model: CPU copies, and nothing to wait for
-                weights, state = await asyncio.to_thread(lambda: (snapshot_weights(trainer.model),
+                weights, state = await asyncio.to_thread(lambda: (trainer.published_weights(live=False),
                                                                   trainer.state_dict(done)))
         metrics["time/snapshot_s"] = time.perf_counter() - t0
         metrics["time/update_gate_s"] = trainer.gate_wait_s
@@ -482,7 +481,7 @@ class TrainLoop:
                   "duplicates_skipped", "superseded_unsolved", "dropped_unsolved", "dropped_canary", "deferred_groups"):
             metrics[f"train/{k}_total"] = float(buffer.counters[k])
         metrics["train/trained_groups_total"] = float(buffer.counters["trained_groups"] + len(groups))
-        snap = StepSnapshot(groups, weights, state, metrics, trainer.version, trainer.step, gate)
+        snap = StepSnapshot(groups, weights, state, metrics, trainer.version, trainer.step, gate, trainer.adapter)
         self.traces.step(groups, trainer.step, trainer.version, start_ns, time.time_ns(),
                          {k: v for k, v in metrics.items() if k.startswith("time/")})
         self.publishing = asyncio.create_task(self.publisher.publish(snap, self.publishing))
@@ -542,7 +541,7 @@ class StepSnapshot:
     groups: list[Group]
     """The groups it trained (their offsets are released once the version is durable)."""
     weights: dict[str, torch.Tensor]
-    """CPU copies of the new weights (:func:`shared.checkpoint.snapshot_weights`)."""
+    """The new weights, or with LoRA the adapters (:meth:`PolicyTrainer.published_weights`)."""
     state: dict[str, Any]
     """Optimizer, LR schedule, RNG and counters (:meth:`PolicyTrainer.state_dict`)."""
     metrics: dict[str, float]
@@ -554,6 +553,8 @@ class StepSnapshot:
     gate: threading.Event | None = None
     """Set once ``weights`` and ``state`` are written (``weights`` and ``state`` are then the live tensors, the
     trainer's :attr:`~trainer_service.trainer.PolicyTrainer.update_gate`); None: they are copies."""
+    adapter: AdapterInfo | None = None
+    """Set when ``weights`` are LoRA adapters (``trainer.lora``)."""
     _readers: int = field(default=0, init=False, repr=False, compare=False)
     """Jobs of :meth:`in_thread` submitted and not yet finished or cancelled (they may read the live tensors)."""
     _held: threading.Event | None = field(default=None, init=False, repr=False, compare=False)
@@ -707,7 +708,7 @@ class Publisher:
             snap.state = {**snap.state, "optimizer": None}  # the run is finished: keep weights and counters only
         need = max(checkpoint_bytes(snap.weights, snap.state), store.version_bytes(snap.version - 1))
         update = await self._durable(snap, lambda: store.save_weights(snap.weights, self.config.model.name,
-                                                                      snap.version, snap.step, ids),
+                                                                      snap.version, snap.step, ids, snap.adapter),
                                      need, snap.version)
         receivers = await asyncio.to_thread(broadcaster.live_receivers) if broadcaster else []
         if receivers:  # the file stays the fallback for anyone outside the session or whose session fails

@@ -40,6 +40,8 @@ class NullTrainer:
     """
 
     model = None
+    adapter = None
+    """:attr:`trainer_service.trainer.PolicyTrainer.adapter`: no LoRA."""
     optimizer_restored = False
     gate_wait_s = 0.0
     """:attr:`trainer_service.trainer.PolicyTrainer.gate_wait_s`: a null step writes nothing, so never waits."""

@@ -3,7 +3,7 @@
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from shared.config import Settings
-from shared.verifier_specs import Recipe
+from shared.verifier_specs import Recipe, safe_default_recipe
 
 
 class JudgeConfig(BaseModel):
@@ -57,8 +57,11 @@ class VerifierConfig(BaseModel):
     """The judge endpoint used by recipes with a ``judge`` rubric."""
     recipes: dict[str, Recipe] = Field(default_factory=dict)
     """Reward recipe per task domain (a task's own ``verifier.recipe`` wins)."""
-    default_recipe: Recipe = Field(default_factory=Recipe)
-    """Recipe of domains without one: correctness only."""
+    default_recipe: Recipe = Field(default_factory=safe_default_recipe)
+    """Recipe of a task whose domain has none here and that carries none of its own, however it came in (REST,
+    YAML, generator): correctness, the truncation gate (a completion cut off at its token budget earns 0) and
+    ``hack_policy: zero`` (``shared.verifier_specs.safe_default_recipe``). A task opts out with a recipe of its
+    own that says why (``recipe: {reason: ...}``)."""
     consumer_group: str = "verifier"
     """Kafka consumer group of flywheel.trajectories (copies with the same group share partitions)."""
     metrics_interval_s: float = Field(10.0, gt=0, le=3600)

@@ -269,8 +269,13 @@ class Scorer:
         self.judge = JudgeClient(cfg.judge)
 
     def recipe_for(self, spec: Any, domain: str | None) -> Recipe:
-        """The task's own recipe, else the service's recipe for ``domain``, else the default recipe."""
-        return spec.recipe or self.cfg.recipes.get(domain or "", None) or self.cfg.default_recipe
+        """The task's own recipe, else the service's recipe for ``domain``, else the default recipe (safe: the
+        truncation gate, hacks zeroed). A task recipe that only opts out (``{reason: ...}``,
+        :attr:`~shared.verifier_specs.Recipe.opts_out`) takes the domain's recipe, else correctness alone."""
+        own = spec.recipe
+        if own is not None and not own.opts_out:
+            return own
+        return self.cfg.recipes.get(domain or "", None) or own or self.cfg.default_recipe
 
     async def score(self, spec: Any, completion: str, *, finish_reason: str = "stop",
                     prompt: list[dict[str, str]] | None = None, tools: list[str] | tuple = (),

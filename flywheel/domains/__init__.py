@@ -6,10 +6,11 @@ Every domain module has:
   (``split`` ``train`` or ``eval``; the same seed and split give the same tasks);
 * ``gold(task) -> str``: a completion that scores 1 (the gold answer or canonical solution);
 * ``corrupt(task, rng) -> str``: a plausible wrong completion that scores below 1;
-* ``RECIPE``: the verifier recipe its tasks carry (``verifier.recipe``), or ``None`` where the domain
-  opts out (the reason is in its docstring); ``make(recipe=...)`` replaces it, ``recipe=None`` drops it
-  (then the verifier service's recipe for the domain applies). Math and reasoning domains gate on
-  truncation: a completion cut off at the token budget earns 0.
+* ``RECIPE``: the verifier recipe its tasks carry (``verifier.recipe``); ``make(recipe=...)`` replaces it,
+  ``recipe=None`` drops it (then the verifier service's recipe for the domain applies, else the verifier's
+  safe default). Math and reasoning domains gate on truncation: a completion cut off at the token budget
+  earns 0. Domains where that is wrong opt out explicitly with a reason (``{"reason": "no truncation gate:
+  ..."}``: ``toy``, ``humaneval``, ``humaneval_repair``, ``geometry``, ``financial_extraction``).
 
 Domains: ``reasoning_gym`` (every generator with a gold answer and an exact scorer; the excluded
 ones and why are in :data:`flywheel.domains.reasoning_gym.EXCLUDED`), ``humaneval``,

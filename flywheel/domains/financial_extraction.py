@@ -14,10 +14,11 @@ from typing import Any
 
 from flywheel.domains.common import task_body, with_recipe
 
-RECIPE: dict[str, Any] | None = None
-"""No recipe on the tasks (opted out of the truncation gate on purpose): the answer is one JSON object,
-which does not parse when it is cut off; a response cut off after its object closed holds a complete
-answer. The verifier service's ``recipes.financial_extraction`` applies."""
+RECIPE: dict[str, Any] | None = {
+    "reason": "no truncation gate: the answer is one JSON object, which does not parse when it is "
+              "cut off; a response cut off after its object closed holds a complete answer"}
+"""An explicit opt-out of the verifier's default truncation gate, with its reason (the verifier service's
+recipe for the domain still applies when it has one; ``shared.verifier_specs.Recipe.opts_out``)."""
 
 FIELDS = {
     "company": "string",

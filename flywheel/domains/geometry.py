@@ -20,10 +20,11 @@ import orjson
 from flywheel.domains.common import task_body, with_recipe
 from shared.scene import Primitive, scene_json
 
-RECIPE: dict[str, Any] | None = None
-"""No recipe on the tasks (opted out of the truncation gate on purpose): the scene is one JSON object,
-which does not parse when it is cut off; a response cut off after it closed holds a complete scene. The
-verifier service's ``recipes.geometry`` applies."""
+RECIPE: dict[str, Any] | None = {
+    "reason": "no truncation gate: the scene is one JSON object, which does not parse when it is cut off; "
+              "a response cut off after it closed holds a complete scene"}
+"""An explicit opt-out of the verifier's default truncation gate, with its reason (the verifier service's
+recipe for the domain still applies when it has one; ``shared.verifier_specs.Recipe.opts_out``)."""
 
 SYSTEM = ('Build the requested 3D scene. Reply with one JSON object inside <answer></answer> tags: '
           '{"primitives": [...]} where each primitive is {"type": "box", "center": [x, y, z], "size": [sx, sy, sz]}, '

@@ -12,10 +12,11 @@ from typing import Any
 
 from flywheel.domains.common import task_body, with_recipe
 
-RECIPE: dict[str, Any] | None = None
-"""No recipe on the tasks (opted out of the truncation gate on purpose): the tests decide, and a function
-cut off mid-body does not compile or fails them; one cut off after it is complete. The verifier
-service's recipe for the domain applies."""
+RECIPE: dict[str, Any] | None = {
+    "reason": "no truncation gate: the tests decide; a function cut off mid-body does not compile or "
+              "fails them, one cut off after it is complete passes"}
+"""An explicit opt-out of the verifier's default truncation gate, with its reason (the verifier service's
+recipe for the domain still applies when it has one; ``shared.verifier_specs.Recipe.opts_out``)."""
 
 SYSTEM = ("Complete the Python function. Reply with the complete function in one ```python code block, "
           "with any imports it needs.")

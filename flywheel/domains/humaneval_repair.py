@@ -19,7 +19,7 @@ SYSTEM = ("Complete the Python function. Reply with the complete function in one
           + format_tool_call("run_python", {"code": "<code>"}) + ".")
 MAX_TURNS = 3
 RECIPE: dict[str, Any] | None = humaneval.RECIPE
-"""As :data:`flywheel.domains.humaneval.RECIPE` (none: the tests decide on the final code)."""
+"""As :data:`flywheel.domains.humaneval.RECIPE` (an opt-out of the truncation gate: the tests decide on the final code)."""
 
 
 def make(n: int, seed: int = 0, split: str = "train", eval_size: int = 32, samples_per_task: int = 8,

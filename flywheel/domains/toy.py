@@ -15,10 +15,11 @@ from typing import Any
 
 from flywheel.domains.common import task_body, with_recipe
 
-RECIPE: dict[str, Any] | None = None
-"""No recipe on the tasks (opted out of the truncation gate on purpose): the token budget of this domain
-is a few tokens, so every completion hits it by design (``examples/toy.yaml``); the verifier service's
-recipe for the domain applies."""
+RECIPE: dict[str, Any] | None = {
+    "reason": "no truncation gate: the token budget of this domain is a few tokens, so every completion hits it "
+              "by design (examples/toy.yaml)"}
+"""An explicit opt-out of the verifier's default truncation gate, with its reason (the verifier service's
+recipe for the domain still applies when it has one; ``shared.verifier_specs.Recipe.opts_out``)."""
 
 LEVELS: tuple[str, ...] = ("^[a-z]", "^[a-z]{2}", "^[a-z]{3}")
 """Patterns of the difficulty levels, easiest first: the completion starts with 1, 2, 3 lowercase letters."""

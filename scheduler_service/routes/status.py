@@ -38,6 +38,7 @@ def get_status(state: StateDep) -> StatusPublic:
         alerts=_alert_counts(state),
         breakers={d: b.state for d, b in state.guard.monitor.breakers.items() if b.state != "closed"},
         training_paused=reg.training_pause(),
+        stalled=state.sampler.stall.public() if state.sampler is not None else None,
     )
 
 

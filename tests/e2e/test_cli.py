@@ -81,7 +81,9 @@ def test_a_run_stopped_by_its_timeout_still_writes_its_report(tiny, tmp_path):
     report = tmp_path / "report.json"
     r = _flywheel("run", str(ROOT / "examples/toy.yaml"), "--set", f"model.name={tiny}", "--set",
                   f"run.dir={tmp_path / 'runs'}", "--set", "budget.max_steps=100000", "--report", str(report),
-                  "--timeout", "90", cwd=tmp_path, check=False)
+                  # the toy tasks may all retire within the 90 s (the scheduler would say so and the run end): this
+                  # test is about the timeout
+                  "--set", "scheduler.stall_after_s=3600", "--timeout", "90", cwd=tmp_path, check=False)
     assert r.returncode != 0
     rep = json.loads(report.read_text())
     assert rep["interrupted"].startswith("TimeoutError") and rep["steps"] >= 1, (rep.get("interrupted"), r.stdout[-2000:])
@@ -248,3 +250,53 @@ def test_a_run_that_drops_groups_still_reaches_max_steps(tiny, tmp_path):
     assert "dropped group long-" in trainer_log and "slot returned to the scheduler" in trainer_log
     assert "its slot is given back" in scheduler_log
     assert all(h["train/staleness_max"] <= 1 for h in rep["history"])
+
+
+def test_a_lora_run_publishes_adapters_that_the_engine_serves(tiny, tmp_path):
+    """trainer.lora: every version in the checkpoint store is an adapter (no full weights), the rollout engine
+    applies each one (its canary agrees with the trainer's: no group dropped, no canary alert), and the toy
+    domain is learned (held-out greedy accuracy 0 -> 1 in a trial run at this learning rate; the adapters start
+    at zero, so the tiny model needs a larger one than full fine-tuning's 3e-3)."""
+    report = tmp_path / "report.json"
+    r = _flywheel("run", str(ROOT / "examples/toy.yaml"), "--set", f"model.name={tiny}", "--set",
+                  f"run.dir={tmp_path / 'runs'}", "--set", "trainer.lora.r=8", "--set", "trainer.lora.alpha=16",
+                  "--set", "trainer.lr=1.0e-1", "--set", "trainer.keep_checkpoints=100",
+                  "--report", str(report), "--timeout", "400", cwd=tmp_path)
+    rep = json.loads(report.read_text())
+    hist = rep["history"]
+    assert rep["steps"] == 25 and rep["eval"]["after"]["policy_version"] == 25
+    before, after = rep["eval"]["before"]["accuracy"], rep["eval"]["after"]["accuracy"]
+    assert after >= before + 0.5, (before, after, r.stdout[-2000:])
+    first = sum(h["mean_reward"] for h in hist[:5]) / 5
+    last = sum(h["mean_reward"] for h in hist[-5:]) / 5
+    assert last > first, (first, last)
+    ckpt = Path(rep["run_dir"]) / "checkpoints"
+    versions = sorted(ckpt.glob("v0*"))
+    assert len(versions) == 25, versions
+    assert all((v / "adapter_model.safetensors").is_file() and not (v / "model.safetensors").exists()
+               for v in versions)
+    update = json.loads((versions[-1] / "update.json").read_text())
+    assert update["adapter"]["r"] == 8 and update["path"].endswith("adapter_model.safetensors")
+    assert rep["dropped_groups"].get("canary", 0) == 0 and rep["alerts"]["critical"] == 0, rep
+    assert all(h.get("canary/failing_engines", 0) == 0 for h in hist)
+    assert any(h.get("canary/abs_logp_diff_max") is not None for h in hist)
+
+
+def test_a_run_whose_tasks_all_retire_ends_saying_why(tiny, tmp_path):
+    """Every sample passes (a pattern anything matches), so every training task retires after its first two
+    groups (the lifecycle default): the scheduler has nothing left to issue long before max_steps, says so
+    (``run/stalled``, naming the domain's reason), and ``flywheel run`` ends on it with its report instead of
+    waiting out its timeout."""
+    report = tmp_path / "report.json"
+    r = _flywheel("run", str(ROOT / "examples/toy.yaml"), "--set", f"model.name={tiny}", "--set",
+                  f"run.dir={tmp_path / 'runs'}", "--set", "tasks.toy_pattern=.*", "--set", "tasks.train_size=4",
+                  "--set", "budget.max_steps=1000", "--set", "scheduler.stall_after_s=5", "--set", "monitor.enabled=false",
+                  "--report", str(report), "--timeout", "900", cwd=tmp_path, check=False)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "the run cannot go on" in r.stdout and "toy_prefix: no live training task at level 0 (4 of 4 retired)" \
+        in r.stdout.replace("\n", " "), r.stdout[-3000:]
+    rep = json.loads(report.read_text())
+    assert rep["interrupted"].startswith("RunStalled: the run cannot go on"), rep["interrupted"]
+    assert 0 < rep["steps"] < 1000
+    alerts = (Path(rep["run_dir"]) / "logs" / "scheduler.log").read_text()
+    assert "ALERT firing run/stalled [critical]" in alerts

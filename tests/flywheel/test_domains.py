@@ -16,6 +16,7 @@ import pytest
 from flywheel.domains import DOMAINS, get
 from flywheel.domains import reasoning_gym as rg_domain
 from shared.schemas import Task
+from shared.verifier_specs import Recipe
 from verifier_service import hacks
 from verifier_service.config import VerifierConfig
 from verifier_service.extract import extract_answer_tag
@@ -47,7 +48,9 @@ async def _gold_and_corrupt(scorer: Scorer, domain: str, tasks: list[dict]) -> N
     rng = random.Random(0)
     assert len(tasks) >= N
     gated = domain in TRUNCATION_GATED
-    assert (mod.RECIPE is not None) == gated and all(t["verifier"].get("recipe") == mod.RECIPE for t in tasks)
+    # gated domains carry the truncation gate; the others an explicit opt-out that says why
+    assert Recipe.model_validate(mod.RECIPE).opts_out != gated
+    assert all(t["verifier"].get("recipe") == mod.RECIPE for t in tasks)
     for t in tasks:
         task = Task.model_validate(t)  # the task survives validation as submitted over REST
         spec = task.verifier
@@ -147,22 +150,27 @@ def test_every_domain_is_listed_with_a_generator():
     for name in DOMAINS:
         mod = get(name)
         assert callable(mod.make) and callable(mod.gold) and callable(mod.corrupt)
-        assert hasattr(mod, "RECIPE"), name  # a recipe, or None as an explicit opt-out
+        assert Recipe.model_validate(mod.RECIPE), name  # a recipe: the gate, or an opt-out with its reason
     with pytest.raises(ValueError, match="unknown domain"):
         get("nope")
 
 
 @pytest.mark.parametrize("domain", sorted(TRUNCATION_GATED))
 async def test_a_domain_opts_out_of_its_recipe_explicitly(domain):
-    """``recipe=None`` (``params: {recipe: null}`` in a mixture) drops the tasks' recipe: a cut-off gold
-    is then scored like any other; a recipe of one's own replaces the default; a bad one is refused."""
+    """``recipe=None`` (``params: {recipe: null}`` in a mixture) drops the tasks' recipe, so the verifier's safe
+    default still gates a cut-off gold; an opt-out that says why (``{reason: ...}``) scores it like any other; a
+    recipe of one's own replaces the default; a bad one is refused."""
     mod = get(domain)
     kw = {"datasets": ["basic_arithmetic"]} if domain == "reasoning_gym" else {}
     t = mod.make(1, seed=2, recipe=None, **kw)[0]
     assert "recipe" not in t["verifier"]
+    out = mod.make(1, seed=2, recipe={"reason": "no truncation gate: a test"}, **kw)[0]
     scorer = Scorer(VerifierConfig(math_timeout_s=20.0))  # the pool's first call on a loaded machine
     try:
         cut = await scorer.score(Task.model_validate(t).verifier, mod.gold(t), domain=domain, finish_reason="length")
+        assert cut.total == 0.0, cut
+        cut = await scorer.score(Task.model_validate(out).verifier, mod.gold(out), domain=domain,
+                                 finish_reason="length")
         assert cut.total == 1.0, cut
     finally:
         await scorer.close()

@@ -152,7 +152,7 @@ async def test_each_toy_level_scores_its_gold_one_and_its_corruption_zero_and_is
         golds = []
         for pattern in levels:
             tasks = toy.make(20, seed=4, pattern=pattern)
-            assert len({t["task_id"] for t in tasks}) == 20 and "recipe" not in tasks[0]["verifier"]
+            assert len({t["task_id"] for t in tasks}) == 20 and tasks[0]["verifier"]["recipe"] == toy.RECIPE  # the opt-out
             for t in tasks:
                 spec = Task.model_validate(t).verifier
                 assert (await scorer.score(spec, toy.gold(t), domain="toy")).total == 1.0

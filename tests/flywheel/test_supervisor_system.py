@@ -22,6 +22,8 @@ from flywheel.tasks import make_tasks
 from shared.auth import auth_headers
 from shared.model import build_tiny_model
 
+pytestmark = pytest.mark.e2e  # a whole supervised system, a broker kill among the tests: the e2e tier
+
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "AWS_SECRET_ACCESS_KEY"
 """A planted secret of the operator's shell that no process of the system may inherit."""

@@ -1,6 +1,6 @@
 """The main job's task sources and the committed examples: which recipe their tasks carry. A cut-off
-answer earns 0 by default; the arithmetic job and the toy domain opt out in their YAML and keep
-crediting it, as before."""
+answer earns 0 by default (the verifier's safe default recipe); the arithmetic job and the toy domain opt
+out in their YAML, with a reason, and keep crediting it, as before."""
 
 from __future__ import annotations
 
@@ -46,15 +46,16 @@ def test_every_example_config_loads(path):
 async def test_a_cut_off_answer_earns_nothing_by_default():
     for kind in ("reasoning_gym", "toy_prefix"):
         cfg = TaskSourceConfig(kind=kind)
-        assert cfg.recipe is not None and cfg.recipe.gates == ["truncation"]
+        assert cfg.recipe is None  # no recipe on the tasks: the verifier's safe default gates truncation
         assert set(await _cut_off_gold(cfg)) == {0.0}, kind
 
 
 @pytest.mark.parametrize("name", ["arithmetic.yaml", "toy.yaml"])
 async def test_the_arithmetic_job_and_the_toy_domain_keep_crediting_cut_off_answers(name):
     cfg = load_config(ROOT / "examples" / name).tasks
-    assert cfg.recipe is None  # the explicit opt-out in the YAML
-    assert all("recipe" not in t["verifier"] for t in make_tasks(_small(cfg)))
+    assert cfg.recipe.opts_out and cfg.recipe.reason.startswith("no truncation gate")  # the YAML's opt-out
+    assert cfg.recipe.gates == [] and cfg.recipe.rules == []  # nothing of a default merged under it
+    assert all(t["verifier"]["recipe"]["reason"] == cfg.recipe.reason for t in make_tasks(_small(cfg)))
     assert set(await _cut_off_gold(cfg)) == {1.0}
 
 
@@ -67,7 +68,8 @@ def test_the_mixture_example_domains_carry_their_recipes():
         recipes.setdefault(t["domain"], Task.model_validate(t).verifier.recipe)
     assert recipes["reasoning_gym"].gates == ["format", "truncation"]  # from the domain's params
     assert recipes["gsm_symbolic"].gates == ["truncation"]  # the domain's default
-    assert recipes["financial_extraction"] is None and recipes["geometry"] is None  # verifier.recipes applies
+    # they opt out of the truncation gate, with their reasons; verifier.recipes still applies to them
+    assert recipes["financial_extraction"].opts_out and recipes["geometry"].opts_out
     assert set(cfg.verifier.recipes) == {"financial_extraction", "geometry"}
 
 

@@ -31,7 +31,7 @@ from shared.model import build_tiny_model, load_model
 from shared.schemas import RolloutRequest, SamplingParams, Task, Trajectory
 from tests.verifier_service.test_broker_outage import _topic_partitions
 
-pytestmark = pytest.mark.kafka
+pytestmark = [pytest.mark.kafka, pytest.mark.e2e]  # kills the broker: the e2e tier
 
 ROOT = Path(__file__).resolve().parents[2]
 BOUND_S = 30.0

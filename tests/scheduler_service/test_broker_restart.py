@@ -26,7 +26,7 @@ from shared.config import KafkaConfig
 from shared.kafka import ensure_topics, make_consumer, make_producer, send
 from shared.schemas import DecodeError, RewardEvent, RolloutRequest, WeightUpdate, decode
 
-pytestmark = pytest.mark.kafka
+pytestmark = [pytest.mark.kafka, pytest.mark.e2e]  # kills the broker: the e2e tier
 
 
 @pytest.fixture

@@ -162,6 +162,10 @@ def test_adaptive_curriculum_promotes_with_hysteresis_and_demotes(reg):
     late = [g for g in reg.issue_train_groups(["e0"], deadline_s=60)]
     _complete(reg, late)  # a level-0 group finishing after the move does not count for level 1
     assert reg.domain("c").level_samples == 0
+    # and its samples say so to the drift monitor: the level their task was issued at, not the domain's
+    straggler = reg.issue_train_groups(["e1"], deadline_s=60)[0]
+    outcome = reg.record_reward(_ev(straggler.group_id, "e1", "c", 0, straggler.n, True))
+    assert outcome.counted and outcome.level == 0 and reg.domain("c").config.level == 1
     hard = _issue(reg, planner, 4)
     _complete(reg, hard)  # 8 failing samples of level 1: demoted
     assert reg.domain("c").config.level == 0

@@ -266,3 +266,105 @@ def test_a_pass_rate_change_must_be_significant_over_groups():
     assert group_z(cur, ref) > -3 and window_readings(cur, ref, [], [], [])["pass_rate_collapse"].z < 3
     steady = [s(f"r{g}", i < 4) for g in range(8) for i in range(8)]  # every task passes half its samples
     assert group_z(cur, steady) < -3
+
+
+def _feed(sim, domain, gid, passes, task_prefix, long=False):
+    """One group of K samples of fresh tasks (no repeated pair, so the scorer's consistency says nothing): sample i
+    passes when ``passes[i]``; answers differ (no collapse); ``long``: cut at the token budget."""
+    out = []
+    for i in range(K):
+        kw = dict(tokens=64, finish="length") if long else {}
+        out += sim.mon.observe_reward(_ev(domain, gid, i, f"{gid}-{i}", passes[i], task=f"{task_prefix}{i}", **kw), 0, 0)
+    sim.alerts += out
+    return out
+
+
+def _probe(sim, domain, n, **kw):
+    """Send the probe the monitor asks for; returns the breaker alert that judged it."""
+    size = sim.mon.probe_size(domain)
+    sim.clock.t += sim.mon.breaker(domain).cooldown_s
+    assert sim.mon.due_probes() == [domain]
+    gids = [f"{domain}:probe{n}-{j}" for j in range(size)]
+    sim.mon.start_probe(domain, gids, 0)
+    out = []
+    for gid in gids:
+        out += _feed(sim, domain, gid, task_prefix=gid, **kw)
+    return next(a for a in out if a.signal == "breaker"), size
+
+
+@pytest.mark.parametrize("fault", ["credit_all", "long"])
+def test_every_probe_fails_while_the_fault_lasts_and_one_passes_once_it_is_fixed(fault):
+    """A scorer that credits every answer (all samples pass, no repeated pair to show the inconsistency) and a
+    length blow-up (every completion cut at the budget). Under the window rule a 2-group probe of the first
+    could never fail (z ≈ 2.4 < 3 at a reference of 0.25); the exact test fails it every time."""
+    sim = Sim()
+    healthy = [i < 2 for i in range(K)]  # 2 of 8 pass: the reference's 0.25
+    for g in range(16):
+        _feed(sim, "a", f"a:{g}", healthy, f"h{g}-")
+    bad = dict(passes=[True] * K) if fault == "credit_all" else dict(passes=healthy, long=True)
+    for g in range(8):
+        _feed(sim, "a", f"a:f{g}", task_prefix=f"f{g}-", **bad)
+        if sim.mon.breaker("a").state == "open":
+            break
+    trip = next(a for a in sim.alerts if a.signal == "breaker")
+    assert trip.details["trigger"] == ("pass_rate_jump" if fault == "credit_all" else "truncation_rate")
+    for n in range(3):  # the fault lasts: every probe fails, with its test in the alert record
+        alert, size = _probe(sim, "a", n, **bad)
+        assert alert.details["state"] == "open" and sim.mon.breaker("a").state == "open", alert
+        probe = alert.details["probe"]
+        assert not probe["passed"] and probe["n"] == size * K and probe["p_value"] >= probe["alpha"]
+        assert size >= CFG.breaker.probe_groups
+    alert, _ = _probe(sim, "a", 9, passes=healthy)  # fixed
+    assert alert.details["state"] == "closed" and alert.details["probe"]["passed"], alert
+    assert sim.mon.breaker("a").state == "closed"
+
+
+@pytest.mark.parametrize("p_ref", [0.1, 0.25, 0.5, 0.9])
+def test_the_probe_size_lets_a_healthy_domain_pass_and_never_a_fully_inflated_one(p_ref):
+    """Sizes for ``pass_rate_jump`` (critical 0.7) from the reference pass rate: a healthy probe passes with
+    probability ≥ probe_power (exactly, from the binomial), an all-pass one never."""
+    from scheduler_service.probe import binom_cdf, rate_test, rejection_bound, trials_needed
+
+    bc = CFG.breaker
+    test = rate_test("pass_rate_jump", 0.7, None, {"pass": p_ref})
+    n = trials_needed(test.bad, test.healthy, bc.probe_alpha, bc.probe_power, K, bc.probe_max_groups * K)
+    groups = max(bc.probe_groups, -(-n // K))
+    trials = groups * K
+    assert binom_cdf(rejection_bound(trials, test.bad, bc.probe_alpha), trials, p_ref) >= bc.probe_power
+    assert not test.verdict(trials, trials, bc.probe_alpha).passed
+    print(f"reference pass rate {p_ref}: the test needs {n} samples; probe of {groups} groups of {K}")
+
+
+def test_a_promotion_with_groups_of_the_old_level_in_flight_raises_nothing():
+    """Level 0 all pass, level 1 all fail; at the move 6 groups of level 0 are still in flight and land first,
+    then level 1's. Each sample is judged at the level its task was issued at: no critical alert, no breaker.
+    (Judged at the domain's current level, the old level's passes filled the new windows' reference and the new
+    level's failures the current window: a pass_rate_collapse every time.)"""
+    sim = Sim()
+    for g in range(12):
+        for i in range(K):
+            sim.alerts += sim.mon.observe_reward(_ev("a", f"a:{g}", i, ANSWERS[i % 4], True, task=f"l0-{g}"), 0, 0,
+                                                 sample_level=0)
+    for g in range(18):  # the domain is at level 1 now: 6 stragglers of level 0, then level 1's groups
+        old = g < 6
+        gid = f"a:old{g}" if old else f"a:new{g}"
+        for i in range(K):
+            sim.alerts += sim.mon.observe_reward(
+                _ev("a", gid, i, ANSWERS[i % 4], old, task=f"{gid}-t"), 1, 0, sample_level=0 if old else 1)
+    assert sim.critical("a") == [] and sim.mon.breaker("a").state == "closed", sim.alerts
+
+
+def test_a_value_hovering_at_a_threshold_does_not_flap():
+    """entropy_drop (warning 0.8) judged at every completed group: touching 0.8 now and then fires nothing
+    (monitor.warn_after consecutive evaluations are needed), a steady 0.85 fires once, hovering at 0.79-0.81
+    afterwards keeps it firing (it resolves only below 0.8 less monitor.resolve_margin of it), and a real fall
+    resolves it once: two state changes where the value crossed the threshold 60 times."""
+    from scheduler_service.monitor import Reading
+
+    mon = DriftMonitor(CFG)
+    values = [0.79, 0.81] * 15 + [0.85] * 4 + [0.81, 0.79] * 15 + [0.5] * 3
+    changes = []
+    for v in values:
+        for a in mon._judge("a", {"entropy_drop": Reading(v, 1.0, 64, 128)}, 0):
+            changes.append((a.status, a.severity, v))
+    assert changes == [("firing", "warning", 0.85), ("resolved", "warning", 0.5)], changes

@@ -35,6 +35,9 @@ from pathlib import Path
 
 import httpx
 
+OPT_OUT = {"reason": "no truncation gate: the token budgets here are a few tokens by design, so most completions hit them"}
+"""The verifier recipe of these tasks: an explicit opt-out of the verifier's default truncation gate."""
+
 MIX = {"red": 2.0, "blue": 1.0, "green": 1.0, "yellow": 1.0}
 """Answers taught for every colour prompt, with their weights (the model learns these odds)."""
 CODE = "def f(x): return 2*x"
@@ -164,10 +167,10 @@ def tasks(n: int) -> list[dict]:
     for d, s in DOMAINS.items():
         for i in range(n):
             if s.right is None:
-                verifier = {"kind": "unit_tests", "entry_point": "f",
+                verifier = {"kind": "unit_tests", "entry_point": "f", "recipe": OPT_OUT,
                             "tests": [{"name": f"double_{i}", "code": f"assert f({i + 1}) == {2 * (i + 1)}"}]}
             else:
-                verifier = {"kind": "regex", "pattern": rf"^\s*{s.right}\b(?#t{i})"}
+                verifier = {"kind": "regex", "pattern": rf"^\s*{s.right}\b(?#t{i})", "recipe": OPT_OUT}
                 if d == "judged":
                     verifier["recipe"] = {"judge": {"rubric": "The answer names the colour of the thing asked about.",
                                                     "reference": s.right}, "weights": {"judge": 1.0}}
@@ -180,6 +183,7 @@ def tasks(n: int) -> list[dict]:
 
 
 from benchmarks.fast_slow_mixing import submit  # noqa: E402,F401 - POST /v1/tasks, refusing duplicates
+
 
 
 def get(url: str, path: str, **params) -> dict | list:

@@ -31,7 +31,7 @@ from shared.model import build_tiny_model
 from shared.schemas import WeightUpdate
 from tests.trainer_service.test_trainer_service import _produce, _scored
 
-pytestmark = pytest.mark.kafka
+pytestmark = [pytest.mark.kafka, pytest.mark.e2e]  # kills the broker: the e2e tier
 
 ROOT = Path(__file__).resolve().parents[2]
 BOUND_S = 30.0

@@ -54,6 +54,7 @@ async def _with_trainer(cfg, body):
 
 
 @pytest.mark.kafka
+@pytest.mark.e2e  # restarts the trainer process: the e2e tier
 async def test_redelivered_trajectories_are_not_trained_twice_even_after_restart(setup, read_topic):
     cfg = setup
     g1 = [_scored("g1", 0, 1.0), _scored("g1", 1, 0.0)]
@@ -93,6 +94,7 @@ async def test_redelivered_trajectories_are_not_trained_twice_even_after_restart
 
 
 @pytest.mark.kafka
+@pytest.mark.e2e  # kill -9 of the trainer process: the e2e tier
 async def test_kill_9_mid_run_resumes_from_the_checkpoint_and_trains_no_group_twice(setup, read_topic, tmp_path):
     """The trainer as a real process, SIGKILLed after two versions: the restarted one resumes at the newest
     published version and every group is trained exactly once across both lives."""

@@ -20,15 +20,16 @@ pytestmark = pytest.mark.usefixtures("float32_numerics")  # compared with float3
 
 
 @pytest.mark.kafka
+@pytest.mark.e2e  # three real steps with slowed checkpoint writes (about a minute): the e2e tier
 async def test_the_next_step_waits_for_the_previous_versions_files(setup, read_topic, monkeypatch):  # noqa: F811
     cfg = setup.model_copy(update={"budget": setup.budget.model_copy(update={"max_staleness": 4})})  # none stale
     written: dict[int, tuple[float, dict[str, torch.Tensor]]] = {}
     real_weights, real_state = CheckpointStore.save_weights, CheckpointStore.save_trainer_state
 
-    def slow_weights(self, weights, model_name, version, step, trained_groups=None):
+    def slow_weights(self, weights, model_name, version, step, trained_groups=None, adapter=None):
         before = {k: v.clone() for k, v in weights.items()}
         time.sleep(0.5)  # the next step has its data and trains meanwhile
-        update = real_weights(self, weights, model_name, version, step, trained_groups)
+        update = real_weights(self, weights, model_name, version, step, trained_groups, adapter)
         assert all(torch.equal(before[k], v) for k, v in weights.items()), f"v{version}'s weights changed mid-write"
         return update
 

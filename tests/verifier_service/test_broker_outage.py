@@ -23,7 +23,7 @@ from shared.schemas import RewardEvent, Task, Trajectory
 from tests.verifier_service.scripted_judge import ScriptedJudgeServer
 from tests.verifier_service.test_unproducible import start_verifier
 
-pytestmark = pytest.mark.kafka
+pytestmark = [pytest.mark.kafka, pytest.mark.e2e]  # kills the broker: the e2e tier
 
 BOUND_S = 30.0
 """Seconds from the new broker listening to the post-restart trajectory's reward (issue: ≤ 30 s for a broker kill)."""

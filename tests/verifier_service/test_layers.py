@@ -111,7 +111,8 @@ async def test_named_unit_tests_are_reported_each_and_can_give_partial_credit(sa
         assert strict.details["tests_passed"] == 2
         partial = await s.score(_spec({"kind": "unit_tests", "tests": tests, "partial_credit": True}),
                                 "def f(x):\n    return x + 1\n")
-        assert partial.total == pytest.approx(2 / 3) and partial.components == {"correctness": pytest.approx(2 / 3)}
+        assert partial.total == pytest.approx(2 / 3)  # the default recipe's truncation gate passed (not cut off)
+        assert partial.components == {"correctness": pytest.approx(2 / 3), "truncation": 1.0}
     finally:
         await s.close()
 
@@ -310,7 +311,7 @@ async def test_a_flagged_reward_is_zeroed_by_default_and_flag_only_reports_it():
     assert r.total == 1.0 and "multiple_answers" in r.details["hacks"] and "zeroed_by" not in r.details
     zeroed = await s.score(default, text)
     assert zeroed.total == 0.0 and zeroed.details["zeroed_by"] == ["multiple_answers"]
-    assert zeroed.components == {"correctness": 1.0}
+    assert zeroed.components == {"correctness": 1.0, "truncation": 1.0}  # the default recipe: gated, not cut off
 
 
 @pytest.mark.parametrize("recipe,msg", [

@@ -64,7 +64,7 @@ async def test_service_scores_emits_rewards_and_dead_letters(kafka_cfg, unique, 
         by_id = {s.trajectory.trajectory_id: s for s in scored}
         assert set(by_id) == ids
         assert by_id[good.trajectory_id].reward.total == 1.0
-        assert not hasattr(by_id[good.trajectory_id].reward, "components")  # lean (issue 20): on flywheel.rewards
+        assert not hasattr(by_id[good.trajectory_id].reward, "components")  # lean: on flywheel.rewards
         assert by_id[bad.trajectory_id].reward.total == 0.0 and not by_id[bad.trajectory_id].reward.infra_error
         assert by_id[aborted.trajectory_id].reward.infra_error  # not scored, flagged
         assert by_id[good.trajectory_id].trajectory == TrainSample.of(good)  # the trainer's part only (v3)
@@ -73,7 +73,7 @@ async def test_service_scores_emits_rewards_and_dead_letters(kafka_cfg, unique, 
         assert set(ev) == ids
         g = ev[good.trajectory_id]
         assert g.passed and g.reward == 1.0 and g.task_id == f"task-{unique}" and g.group_id == good.group_id
-        assert g.components == {"correctness": 1.0}
+        assert g.components == {"correctness": 1.0, "truncation": 1.0}  # the safe default recipe, not cut off
         assert g.policy_version == 4 and g.completion_tokens == 3 and g.purpose == "eval"
         assert g.eval_round == 7 and g.attempt == 2 and g.group_size == 3 and g.sample_index == 0
         assert g.domain == "toy" and g.difficulty == 0.25 and g.finish_reason == "stop"
@@ -101,6 +101,7 @@ async def test_service_scores_emits_rewards_and_dead_letters(kafka_cfg, unique, 
     assert (tmp_path / "logs" / "verifier.log").exists()
 
 
+@pytest.mark.e2e  # restarts the verifier: the e2e tier
 async def test_service_commits_so_a_restart_does_not_rescore(kafka_cfg, unique, tmp_path, read_topic):
     await ensure_topics(kafka_cfg)
     config = FlywheelConfig(kafka=kafka_cfg, run={"dir": str(tmp_path)},
@@ -196,7 +197,7 @@ async def test_service_runs_domain_recipes_counts_hacks_and_gates_and_calibrates
             await producer.stop()
             stop.set()
             await asyncio.wait_for(task, timeout=30)
-    r = {s.trajectory.trajectory_id: s.reward for s in scored}  # lean (issue 20): total and infra_error only
+    r = {s.trajectory.trajectory_id: s.reward for s in scored}  # lean: total and infra_error only
     ev = {e.trajectory_id: e for e in events}  # the reward's components, gates and hacks are on flywheel.rewards
     assert r[f"{unique}:0"].total == 1.0 and ev[f"{unique}:0"].components == {"correctness": 1.0}
     assert r[f"{unique}:1"].total == 1.0

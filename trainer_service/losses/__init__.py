@@ -24,7 +24,7 @@ The TRL ``GRPOConfig`` and verl settings each kind equals:
 - ``bnpo``: TRL ``loss_type="bnpo"`` (TRL normalises each micro-batch by its own tokens, we by the
   whole batch's: equal when the step is one micro-batch) = TRL ``loss_type="dapo"`` with
   ``epsilon_high=0.2``; verl ``adv_estimator=grpo`` with its default ``loss_agg_mode=token-mean``.
-  (Flywheel's ``grpo`` before issue 14.)
+  (Flywheel's ``grpo`` of the first releases.)
 - ``dr_grpo``: TRL ``loss_type="dr_grpo"``, ``scale_rewards="none"``, ``max_completion_length=L_max``;
   verl ``norm_adv_by_std_in_grpo=False``, ``loss_agg_mode=seq-mean-token-sum-norm`` (verl divides by
   L_max but not by the number of sequences in ``core_algos.agg_loss``: the same direction, a constant

@@ -104,8 +104,8 @@ class BNPOLossConfig(GRPOLossConfig):
     """``bnpo``: GRPO's advantages and clip, the mean over the whole batch's tokens. TRL
     ``loss_type="bnpo"`` (TRL normalises each micro-batch by its own tokens, we by the whole batch's:
     equal when the step is one micro-batch) = TRL ``loss_type="dapo"`` with ``epsilon_high=0.2``; verl
-    ``adv_estimator=grpo`` with its default ``loss_agg_mode=token-mean``. (Flywheel's ``grpo`` before
-    issue 14.)"""
+    ``adv_estimator=grpo`` with its default ``loss_agg_mode=token-mean``. (Flywheel's ``grpo`` of the
+    first releases.)"""
 
     kind: Literal["bnpo"] = "bnpo"
     """The family."""

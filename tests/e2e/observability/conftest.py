@@ -25,9 +25,15 @@ import yaml
 
 from flywheel.cli import submit_tasks
 from flywheel.launcher import LocalSystem
+from scheduler_service.config import RUN_SIGNALS, SIGNALS
 from shared.auth import auth_headers, token_from_run_dir
 from shared.model import build_tiny_model
 
+OPT_OUT = {"reason": "no truncation gate: the token budgets here are a few tokens by design, so most completions hit them"}
+"""The verifier recipe of these tasks: an explicit opt-out of the verifier's default truncation gate."""
+
+
+DOMAIN_SIGNALS = [s for s in SIGNALS if s not in RUN_SIGNALS]
 MIN_VERSION = 3
 """Policy versions the trainer must have published before the tests look."""
 TOY_K, CODE_K = 4, 2
@@ -55,10 +61,13 @@ def _config(model_dir: Path, runs: Path) -> dict:
         "scheduler": {"max_tokens": 4, "temperature": 1.0, "eval_before_training": False},
         "rollout": {"engine": "torch", "max_batch_samples": 32, "max_trajectory_tokens": 200},
         "sandbox": {"max_concurrency": 2},
-        # the monitor stays on (its gauges and alert families are observed), but not diversity_collapse: the
-        # tiny model answers a code prompt the same way K = 2 times over, a real collapse that opens the code
-        # domain's breaker after a few minutes and leaves no trained code group to trace (as in test_fast_slow)
-        "monitor": {"enabled": True, "signals": {"diversity_collapse": {"enabled": False}}},
+        # the monitor stays on (its gauges and warning alerts are observed), but no signal turns critical: a
+        # tripped breaker stops a domain's groups and leaves none to trace or chart. The tiny model drifts
+        # for real: it answers a code prompt the same way K = 2 times over (diversity_collapse), learns the
+        # toy regex within minutes (pass_rate_jump), and a loaded machine times out sandbox runs
+        # (infra_error_rate, scorer_inconsistency); in CI the code domain stopped that way mid-package
+        "monitor": {"enabled": True, "signals": {**{s: {"critical": None} for s in DOMAIN_SIGNALS},
+                                                 "diversity_collapse": {"enabled": False}}},
         "trainer": {"loss": "bnpo", "truncation": "keep", "lr": 3.0e-3, "micro_batch_size": 32,
                     "keep_checkpoints": 1},
     }
@@ -70,12 +79,13 @@ def _tasks() -> list[dict]:
         for i in range(n):
             out.append({"task_id": f"toy-{split}-{i}", "domain": "toy", "split": split,
                         "prompt": [{"role": "user", "content": f"write a word {split} {i}"}],
-                        "samples_per_task": TOY_K, "verifier": {"kind": "regex", "pattern": "^[a-z]"}})
+                        "samples_per_task": TOY_K,
+                        "verifier": {"kind": "regex", "pattern": "^[a-z]", "recipe": OPT_OUT}})
             test = {"name": f"t{i}", "code": f"assert f({i}) == {i + 1}"}
             out.append({"task_id": f"code-{split}-{i}", "domain": "code", "split": split,
                         "prompt": [{"role": "user", "content": f"Write f(x) returning x + 1. ({split} {i})"}],
                         "samples_per_task": CODE_K,
-                        "verifier": {"kind": "unit_tests", "entry_point": "f", "tests": [test]}})
+                        "verifier": {"kind": "unit_tests", "entry_point": "f", "tests": [test], "recipe": OPT_OUT}})
     return out
 
 

@@ -14,6 +14,9 @@ import time
 from shared.spans import SpanStore
 
 FIVE = {"scheduler", "rollout", "verifier", "sandbox", "trainer"}
+RECENT = 100_000
+"""Groups searched, newest first: every group the package's system issued (a few thousand an hour; with a
+smaller window a slow machine's run had pushed the eval rounds' groups out of it)."""
 CLOCK_SLACK_NS = 1_000_000
 """Float seconds (``issued_at``) against integer ns: a child may appear to start up to 1 ms early."""
 
@@ -23,7 +26,7 @@ def _find(store: SpanStore, want, timeout_s: float = 60.0) -> dict:
     once a second by each process's batch processor, so poll)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        groups = store.recent_groups(2000)
+        groups = store.recent_groups(RECENT)
         hit = next((g for g in groups if want(g)), None)
         if hit is not None:
             return hit
