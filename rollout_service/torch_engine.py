@@ -98,7 +98,7 @@ class TorchEngine(Engine):
         """
         if update.adapter is None:
             load_weights(self.model, update)
-            self._adapters.reset(self.model)
+            self._adapters.reset()
         else:
             self._adapters.apply(self.model, read_update(update), update.adapter, f"v{update.version}")
 
@@ -108,7 +108,7 @@ class TorchEngine(Engine):
     def load_weights_state(self, state: dict, version: int) -> None:
         with self._lock:
             load_weights_state(self.model, state, f"broadcast v{version}")
-            self._adapters.reset(self.model)
+            self._adapters.reset()
             self._loaded(version)
 
     def request_interrupt(self, loader: Loader, recompute: bool = True) -> None:

@@ -490,7 +490,10 @@ class DriftMonitor:
         if test is None:
             return bc.probe_groups
         ref = self._watch(domain).frozen or []
-        k = 1 if test.per_group else max(1, round(len(ref) / max(1, len({s.group for s in ref})))) if ref else 8
+        if test.per_group:
+            k = 1  # trials are groups
+        else:  # trials are samples: the frozen reference's samples per group (8 before any is known)
+            k = max(1, round(len(ref) / len({s.group for s in ref}))) if ref else 8
         n = trials_needed(test.bad, test.healthy, bc.probe_alpha, bc.probe_power, k, bc.probe_max_groups * k)
         return max(bc.probe_groups, min(bc.probe_max_groups, math.ceil(n / k)))
 

@@ -23,7 +23,6 @@ from typing import Iterable
 
 import torch
 
-from shared.checkpoint import ADAPTER_FILE  # noqa: F401 - the name a version's adapters are saved under
 from shared.schemas import AdapterInfo
 
 PREFIX = "base_model.model."
@@ -155,8 +154,8 @@ class AdapterApplier:
                 a, b = pairs[m]
                 w.copy_((base.float() + delta(a, b, info.scale)).to(w.dtype))
 
-    def reset(self, model: torch.nn.Module) -> None:
-        """Forget the kept base weights after ``model`` was loaded with full weights (they are the new base)."""
+    def reset(self) -> None:
+        """Forget the kept base weights after the model was loaded with full weights (they are the new base)."""
         self.base.clear()
 
 

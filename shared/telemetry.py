@@ -162,7 +162,7 @@ class RateLimitFilter(logging.Filter):
     One instance serves every handler: the decision is made once per record and kept on it.
     """
 
-    def __init__(self, prefixes: tuple[str, ...] = ("aiokafka", "kafka"), burst: int = 5, window_s: float = 60.0,
+    def __init__(self, prefixes: tuple[str, ...] = ("aiokafka",), burst: int = 5, window_s: float = 60.0,
                  clock=None) -> None:
         super().__init__()
         self.prefixes = prefixes
