@@ -6,7 +6,7 @@ Writes ``--versions`` versions the way :class:`shared.checkpoint.CheckpointStore
 ``--params`` million fp32 parameters (SmolLM2-135M: 540 MB of weights through safetensors, then 1.08 GB of
 AdamW moments through ``torch.save``), deleting the version ``--keep`` back after each, once with the
 optimizer state written through the page cache (``open``, what the store did before) and once through
-:class:`shared.checkpoint.DirectFile` (``O_DIRECT``). Both arms in one run, baseline first.
+:class:`shared.disk.DirectFile` (``O_DIRECT``). Both arms in one run, baseline first.
 
 Printed per arm: wall seconds per version, this process's user and system CPU seconds per version, and the
 whole machine's busy CPU seconds per version (``/proc/stat``: kernel writeback and reclaim run in kernel
@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.checkpoint import DirectFile  # noqa: E402
+from shared.disk import DirectFile  # noqa: E402
 
 
 def _machine_busy_s() -> float:

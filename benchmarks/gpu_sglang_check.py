@@ -110,7 +110,8 @@ def _broadcast_check(eng: SGLangEngine, model_dir: str, prompts: list[list[int]]
     from transformers import AutoModelForCausalLM
 
     from flywheel.broker import free_port
-    from shared.checkpoint import manifest, snapshot_weights
+    from shared.checkpoint import manifest
+    from shared.model_weights import snapshot_weights
     from shared.weight_sync import WeightBroadcaster, WeightReceiver
 
     greedy = [GenerationRequest(p, 1, SamplingParams(max_new_tokens=32, temperature=0.0)) for p in prompts]

@@ -20,7 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flywheel.launcher import LocalSystem, overrides_to_env  # noqa: E402
+from flywheel.launcher import LocalSystem  # noqa: E402
+from flywheel.service_env import overrides_to_env  # noqa: E402
 from shared.precision import cpu_features, cpu_model  # noqa: E402
 
 

@@ -87,7 +87,8 @@ def main() -> None:
 
     from benchmarks.e2e_arithmetic import _setup
     from shared.precision import cpu_features, cpu_model
-    from trainer_service.trainer import PolicyTrainer, collate, completion_logprobs
+    from trainer_service.forward import collate, completion_logprobs
+    from trainer_service.trainer import PolicyTrainer
 
     cfg, tok, engine, tasks, reward, rng = _setup(args.config)
     cfg.budget.batch_groups = 4

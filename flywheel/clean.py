@@ -111,7 +111,7 @@ def _embedded_optimizer_bytes(state_file: Path) -> int:
     """Bytes of the optimizer tensors inside an old-layout ``trainer_state.pt`` (0 when it holds none)."""
     import torch
 
-    from shared.checkpoint import tensor_bytes
+    from shared.disk import tensor_bytes
 
     state = torch.load(state_file, weights_only=False, mmap=True, map_location="cpu")
     return tensor_bytes(state.get("optimizer")) if isinstance(state, dict) else 0

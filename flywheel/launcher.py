@@ -8,261 +8,55 @@ reported with its pid, why it died (exit code, or the signal's name) and its las
 checked first: a dead broker is restarted at once on the same port (memory storage: it comes back empty),
 its topics are re-created, and the scheduler is told (``POST /v1/system/broker-restarted``) so it re-issues
 every in-flight group at once. A dead service is respawned after an exponential backoff
-(:class:`RestartPolicy`), scheduled rather than slept, so one crash-looping service never holds up the
-others. Restarts are counted per process in a sliding window; crashes of services while, or just after,
-the broker was down are the broker's fault and are not counted against them.
+(:class:`flywheel.supervision.RestartPolicy`), scheduled rather than slept, so one crash-looping service never
+holds up the others. Restarts are counted per process in a sliding window; crashes of services while, or just
+after, the broker was down are the broker's fault and are not counted against them.
 
 Hygiene: the run directory is 0700 and every child starts with umask 0o077 (its files are 0600); the auth
 token (``<run dir>/auth_token``, 0600) exists before any service starts; services get only the variables of
-:data:`SERVICE_ENV_ALLOW` / :data:`SERVICE_ENV_PREFIXES` from the caller's environment (plus, for the
-verifier only, the judge's API key variable named by ``verifier.judge.api_key_env``); the broker gets
-:data:`flywheel.broker.BROKER_ENV_ALLOW`.
+:data:`~flywheel.service_env.SERVICE_ENV_ALLOW` / :data:`~flywheel.service_env.SERVICE_ENV_PREFIXES` from the
+caller's environment (plus, for the verifier only, the judge's API key variable named by
+``verifier.judge.api_key_env``); the broker gets :data:`flywheel.broker.BROKER_ENV_ALLOW`. The environment,
+umask and settings of the services are in :mod:`flywheel.service_env`, the supervisor's records of its
+processes in :mod:`flywheel.supervision`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import ctypes.util
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 import httpx
 import orjson
 
 from flywheel.broker import (EmbeddedBroker, broker_env, die_with_parent, free_port, open_private_log, port_is_free,
                              stop_pid)
-from shared import precision
-from trainer_service.config import TrainerConfig, for_loss
+from flywheel.service_env import (DEFAULT_JUDGE_KEY_ENV, DEFAULT_UMASK, SERVICE_UMASK, allocator_env, allowed_env,
+                                  judge_key_env, kafka_partitions, precision_plan)
+from flywheel.supervision import (RestartPolicy, ServiceProcess, SupervisorEvent, cpu_seconds, exit_reason,
+                                  log_tail, vm_hwm_bytes)
 from shared.auth import auth_headers, ensure_token_file, write_private
-from shared.config import KafkaConfig, RunConfig, read_yaml
+from shared.config import KafkaConfig
 
 log = logging.getLogger("flywheel")
 
+
 #: Start order: the sandbox before the verifier, the scheduler last (it issues work at once).
 SERVICES = ("sandbox", "verifier", "trainer", "rollout", "scheduler")
+
 #: Services that serve Prometheus metrics on a port of their own (the scheduler and the sandbox use their API's).
 METRICS_PORT_SERVICES = ("verifier", "trainer", "rollout")
 
-# ---------------------------------------------------------------------- environment
-#: Variables of the caller's environment every service gets, by exact name ("services get only the
-#: environment they need"; an API key or cloud credential of the operator's shell never reaches a service,
-#: the sandbox's programs or the broker). Add a name here, and nowhere else, when a service needs one.
-SERVICE_ENV_ALLOW = frozenset({
-    "PATH", "HOME", "USER", "LOGNAME", "LANG", "TZ", "TMPDIR", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "XDG_CACHE_HOME",
-    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-    "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
-    "http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY",
-})
-#: ... and by prefix: locale, Python, Hugging Face / tokenizers, torch and its CPU kernels' oneDNN, CUDA,
-#: OpenTelemetry, Flywheel's own settings (``FLYWHEEL_<SECTION>__<FIELD>``), TLS trust stores.
-SERVICE_ENV_PREFIXES = ("LC_", "PYTHON", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH_", "ONEDNN_", "DNNL_",
-                        "CUDA_", "NVIDIA_", "OTEL_", "FLYWHEEL_", "SSL_CERT_")
-#: umask of each service's process (0o077: files 0600, directories 0700). The sandbox keeps 0o022: its worker
-#: builds the programs' read-only root with plain ``os.mkdir`` and relies on the usual umask for the slot uids
-#: to traverse it (under 0o077 every run failed with ``Permission denied: '/dev/null'``); its files in the run
-#: directory are still private, the run directory being 0700.
-SERVICE_UMASK = {"sandbox": 0o022}
-DEFAULT_UMASK = 0o077
-#: The verifier alone also gets the variable named by ``verifier.judge.api_key_env`` (default below).
-DEFAULT_JUDGE_KEY_ENV = "OPENAI_API_KEY"
-
-
-def allowed_env(environ: Mapping[str, str], extra: tuple[str, ...] = ()) -> dict[str, str]:
-    """The variables of ``environ`` a service may see: :data:`SERVICE_ENV_ALLOW`, :data:`SERVICE_ENV_PREFIXES`
-    and the names in ``extra``."""
-    return {k: v for k, v in environ.items()
-            if k in SERVICE_ENV_ALLOW or k.startswith(SERVICE_ENV_PREFIXES) or k in extra}
-
-
-def judge_key_env(config_path: str | os.PathLike, env: Mapping[str, str]) -> str:
-    """Name of the judge's API key variable: ``FLYWHEEL_VERIFIER__JUDGE__API_KEY_ENV``, else the YAML's
-    ``verifier.judge.api_key_env``, else :data:`DEFAULT_JUDGE_KEY_ENV`."""
-    if env.get("FLYWHEEL_VERIFIER__JUDGE__API_KEY_ENV"):
-        return env["FLYWHEEL_VERIFIER__JUDGE__API_KEY_ENV"]
-    return str(_yaml_value(config_path, "verifier", "judge", "api_key_env") or DEFAULT_JUDGE_KEY_ENV)
-
-
-def _yaml_value(config_path: str | os.PathLike, *keys: str):
-    """The value at ``keys`` (``"kafka", "partitions"``) of the YAML config, or None where the file is missing or
-    unreadable or a level is absent or not a mapping (the services' own settings report a bad config)."""
-    try:
-        value = read_yaml(config_path)
-    except (OSError, ValueError):
-        return None
-    for key in keys:
-        if not isinstance(value, dict):
-            return None
-        value = value.get(key)
-    return value
-
-
-def _kafka_partitions(config_path: str | os.PathLike, env: Mapping[str, str]) -> int:
-    """``kafka.partitions`` of the system (environment over YAML over the default), for re-creating topics."""
-    if env.get("FLYWHEEL_KAFKA__PARTITIONS"):
-        return int(env["FLYWHEEL_KAFKA__PARTITIONS"])
-    try:
-        return int(_yaml_value(config_path, "kafka", "partitions") or KafkaConfig().partitions)
-    except (ValueError, TypeError):
-        return KafkaConfig().partitions
-
-
 #: The services that run torch (their allocator is ``run.allocator``).
 TORCH_SERVICES = ("rollout", "trainer")
-TCMALLOC = "tcmalloc_minimal"
-
-
-def allocator_env(config_path: str | os.PathLike, env: Mapping[str, str]) -> dict[str, str]:
-    """``{"LD_PRELOAD": <libtcmalloc_minimal>}`` for the torch services when ``run.allocator`` (environment over
-    YAML over the default) is ``tcmalloc`` and the library is installed; else ``{}`` (logged when it is missing)."""
-    choice = env.get("FLYWHEEL_RUN__ALLOCATOR") or _yaml_value(config_path, "run", "allocator")
-    if (choice or RunConfig().allocator) != "tcmalloc":
-        return {}
-    lib = ctypes.util.find_library(TCMALLOC)
-    if lib is None:
-        log.warning("run.allocator is tcmalloc but lib%s is not installed (Debian: libtcmalloc-minimal4): the torch "
-                    "services use the system allocator", TCMALLOC)
-        return {}
-    return {"LD_PRELOAD": " ".join(x for x in (env.get("LD_PRELOAD"), lib) if x)}
-
-
-def _setting(config_path: str | os.PathLike, env: Mapping[str, str], section: str, key: str, default):
-    """``<section>.<key>`` of the system: environment over YAML over ``default`` (booleans spelled as in YAML
-    or the environment become bools)."""
-    value = env.get(f"FLYWHEEL_{section.upper()}__{key.upper()}")
-    if value is None:
-        value = _yaml_value(config_path, section, key)
-    if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0"):
-        value = value.lower() in ("true", "yes", "on", "1")
-    return default if value is None else value
-
-
-def precision_plan(config_path: str | os.PathLike, env: Mapping[str, str]) -> dict[str, dict]:
-    """The precision the torch services choose on this machine, by setting (``rollout.dtype``,
-    ``trainer.autocast_bf16``, ``trainer.output_bf16``), each :meth:`shared.precision.Precision.as_dict`: the same
-    decision the services make at their start (:func:`shared.precision.resolve`, one hardware probe), for
-    ``flywheel.json`` and the run report. A setting the system does not use (an ``sglang`` or ``null`` engine, the
-    trainer's ``null_step``) is left out; one that is not a valid choice is left to the service to refuse."""
-    plan = {}
-    if _setting(config_path, env, "rollout", "engine", "torch") == "torch":
-        plan["rollout.dtype"] = _setting(config_path, env, "rollout", "dtype", "auto")
-    if not _setting(config_path, env, "trainer", "null_step", False):
-        for key in ("autocast_bf16", "output_bf16"):
-            plan[f"trainer.{key}"] = _setting(config_path, env, "trainer", key, "auto")
-    out = {}
-    for name, requested in plan.items():
-        try:
-            p = precision.resolve(requested)
-        except ValueError:
-            continue
-        if name.startswith("trainer."):
-            p = for_loss(p, _off_policy(config_path, env))
-        out[name] = p.as_dict()
-    return out
-
-
-def _off_policy(config_path: str | os.PathLike, env: Mapping[str, str]) -> str:
-    """``trainer.loss.off_policy`` of the system (environment over YAML over the loss kind's default)."""
-    loss = _yaml_value(config_path, "trainer", "loss")
-    if env.get("FLYWHEEL_TRAINER__LOSS__OFF_POLICY"):
-        return env["FLYWHEEL_TRAINER__LOSS__OFF_POLICY"]
-    try:
-        return getattr(TrainerConfig(**({"loss": loss} if loss is not None else {})).loss, "off_policy", "decoupled")
-    except ValueError:  # a bad loss section: the trainer refuses it at its start
-        return "ppo_clip"
-
-
-# ---------------------------------------------------------------------- supervision
-@dataclass
-class RestartPolicy:
-    """How the supervisor restarts a dead process (a service or the broker).
-
-    A process may die ``max_restarts`` times within any ``window_s`` seconds and be restarted; the next
-    counted death in the window stops the system (a count over the whole run would stop a
-    run whose third crash came hours after the second). Before its k-th restart in a row a service waits
-    ``min(backoff_max_s, backoff_initial_s · 2^(k-1))`` seconds; a process that ran ``stable_s`` seconds
-    before dying starts a new row (1 s again). The broker restarts at once (every service waits on it).
-    Deaths of services within ``broker_grace_s`` seconds after the broker died are not counted and
-    restart after ``backoff_initial_s``.
-    """
-
-    max_restarts: int = 5
-    window_s: float = 600.0
-    backoff_initial_s: float = 1.0
-    backoff_max_s: float = 30.0
-    stable_s: float = 60.0
-    broker_grace_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.max_restarts < 0 or self.window_s <= 0 or self.backoff_initial_s < 0 or self.stable_s < 0:
-            raise ValueError(f"invalid restart policy {self}")
-        if self.backoff_max_s < self.backoff_initial_s or self.broker_grace_s < 0:
-            raise ValueError(f"invalid restart policy {self}")
-
-    def backoff_s(self, streak: int) -> float:
-        """Wait before the ``streak``-th restart in a row (1-based), seconds."""
-        return min(self.backoff_max_s, self.backoff_initial_s * 2 ** max(0, streak - 1))
-
-
-@dataclass
-class SupervisorEvent:
-    """One death seen by the supervisor: ``at`` (Unix s), the ``process`` (``broker`` or a service name), its
-    ``pid``, the ``reason`` (``exit code 1``, ``killed by SIGKILL``), whether it ``counted`` towards the
-    restart window, and the ``new_pid`` once restarted."""
-
-    at: float
-    process: str
-    pid: int
-    reason: str
-    counted: bool
-    new_pid: int | None = None
-
-
-def exit_reason(code: int) -> str:
-    """``exit code N`` for a normal exit, ``killed by SIGNAME`` for a negative (signal) return code."""
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-@dataclass
-class ServiceProcess:
-    """One supervised service process and its restart bookkeeping (monotonic seconds)."""
-
-    name: str
-    process: subprocess.Popen
-    log_path: Path
-    restarts: int = 0
-    """Restarts over the whole run (for the record; the limit uses :attr:`crashes`)."""
-    started_at: float = field(default_factory=time.monotonic)
-    crashes: collections.deque = field(default_factory=collections.deque)
-    """Times of the counted deaths within the window."""
-    streak: int = 0
-    """Restarts in a row without a stable period (sets the backoff)."""
-    restart_at: float | None = None
-    """When the scheduled respawn is due (``None``: running, or not yet seen dead)."""
-    event: SupervisorEvent | None = None
-
-    def tail(self, lines: int = 15) -> str:
-        return _tail(self.log_path, lines)
 
 
 @dataclass
@@ -390,7 +184,7 @@ class LocalSystem:
         system = cls(run_dir, env, broker, f"http://127.0.0.1:{scheduler_port}", f"http://127.0.0.1:{sandbox_port}",
                      policy=policy or RestartPolicy(), metrics_ports={n: free_port() for n in METRICS_PORT_SERVICES},
                      token=token, judge_key_env=judge_key_env(config_path, env),
-                     partitions=_kafka_partitions(config_path, env), torch_env=allocator_env(config_path, env),
+                     partitions=kafka_partitions(config_path, env), torch_env=allocator_env(config_path, env),
                      precision=precision_plan(config_path, env))
         try:
             if broker is not None:  # every topic before any client can auto-create one with the broker's default
@@ -542,7 +336,7 @@ class LocalSystem:
         old, now, p = self.broker, time.monotonic(), self.policy
         reason = exit_reason(old.process.returncode)
         log_path = self.run_dir / "logs" / "broker.log"
-        msg = f"broker (pid {old.pid}) died: {reason}; last log lines:\n{_tail(log_path, 8)}"
+        msg = f"broker (pid {old.pid}) died: {reason}; last log lines:\n{log_tail(log_path, 8)}"
         self.broker_died_at = now
         event = SupervisorEvent(time.time(), "broker", old.pid, reason, counted=True)
         self.events.append(event)
@@ -632,42 +426,3 @@ class LocalSystem:
             "precision": self.precision,
         }
         write_private(self.run_dir / "flywheel.json", orjson.dumps(state, option=orjson.OPT_INDENT_2))
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of process ``pid`` (``utime`` + ``stime`` of ``/proc/<pid>/stat``); ``None``
-    when the process is gone or the system has no such file."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def vm_hwm_bytes(pid: int) -> int | None:
-    """Peak resident set size of process ``pid`` in bytes (``VmHWM`` of ``/proc/<pid>/status``); ``None`` when
-    the process is gone or the system has no such file."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def overrides_to_env(pairs: list[str]) -> dict[str, str]:
-    """``["budget.max_steps=3"]`` → ``{"FLYWHEEL_BUDGET__MAX_STEPS": "3"}``.
-
-    Raises:
-        ValueError: a pair is not ``section.field=value``.
-    """
-    env = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or "." not in key:
-            raise ValueError(f"override {pair!r} is not section.field=value")
-        env["FLYWHEEL_" + key.replace(".", "__").upper()] = value
-    return env

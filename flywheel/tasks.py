@@ -1,4 +1,5 @@
-"""Task sources for the main job: reasoning-gym items as Flywheel tasks, split into train and held-out.
+"""Task sources of ``flywheel run``: reasoning-gym items, the shipped domains, or a user's environment, as
+Flywheel tasks split into train and held-out.
 
 Held-out items are disjoint from training items by normalised prompt text (DESIGN.md).
 """
@@ -7,10 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import re
+from pathlib import Path
 from typing import Any, Literal
+
+import orjson
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shared.envs import EnvironmentRef
 from shared.verifier_specs import Recipe
 
 
@@ -32,9 +37,14 @@ class TaskSourceConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["reasoning_gym", "toy_prefix", "mixture", "none"] = "reasoning_gym"
+    kind: Literal["reasoning_gym", "toy_prefix", "mixture", "environment", "none"] = "reasoning_gym"
     """``reasoning_gym`` (a dataset with its scorer), ``toy_prefix`` (reward 1 when the completion starts
-    like ``toy_pattern``: a domain a tiny random model learns in seconds), or ``none``."""
+    like ``toy_pattern``: a domain a tiny random model learns in seconds), ``mixture`` (shipped domains),
+    ``environment`` (a user's environment: its dataset and rubric, docs/guides/environments.md), or ``none``."""
+    environment: EnvironmentRef | None = None
+    """``environment``: which one, ``{id | module | path, args}``. Its dataset gives at most ``train_size``
+    training and ``eval_size`` held-out tasks (held-out from its ``eval_dataset`` when it has one, else drawn
+    from the dataset and kept disjoint by prompt); its ``system_prompt`` replaces :attr:`system_prompt`."""
     dataset: str = "basic_arithmetic"
     """reasoning-gym dataset name."""
     dataset_config: dict[str, Any] = Field(default_factory=lambda: {
@@ -92,6 +102,8 @@ def make_tasks(cfg: TaskSourceConfig) -> list[dict]:
         return _mixture_tasks(cfg)
     if cfg.kind == "toy_prefix":
         return _toy_tasks(cfg)
+    if cfg.kind == "environment":
+        return environment_tasks(cfg)
     import reasoning_gym
 
     seen: set[str] = set()
@@ -150,3 +162,62 @@ def _mixture_tasks(cfg: TaskSourceConfig) -> list[dict]:
         train = make_domain_tasks(d.domain, d.train_size, seed=cfg.seed, split="train", **params) if d.train_size else []
         out += held + [t for t in train if _norm(t["prompt"][-1]["content"]) not in seen]
     return out
+
+
+def environment_name(ref: EnvironmentRef, env_name: str | None) -> str:
+    """The domain name of an environment's tasks: its own ``name``, else the id, module or file stem."""
+    if env_name:
+        return env_name
+    if ref.id:
+        return ref.id
+    if ref.module:
+        return ref.module.split(":")[0].rsplit(".", 1)[-1]
+    return Path(ref.path.split(":")[0]).stem
+
+
+def environment_tasks(cfg: TaskSourceConfig) -> list[dict]:
+    """The tasks of ``cfg.environment``: held-out ones first, then training ones (see the field's docstring).
+
+    Raises:
+        shared.envs.EnvironmentLoadError: the environment cannot be imported or built.
+        shared.envs.DatasetError: a dataset cannot be read or a row lacks a prompt or a mapped column.
+        ValueError: no ``environment`` given, or no training row left.
+    """
+    import random
+
+    from shared.envs import load_environment, load_rows
+
+    if cfg.environment is None:
+        raise ValueError("tasks.kind environment needs tasks.environment: {id | module | path, args}")
+    ref = cfg.environment.resolved()
+    env = load_environment(ref)
+    name = environment_name(ref, env.name)
+    rows = load_rows(env.dataset, env.columns)
+    random.Random(cfg.seed).shuffle(rows)
+    if env.eval_dataset is not None:
+        held = load_rows(env.eval_dataset, env.columns, split="test")[:cfg.eval_size]
+    else:
+        held, rows = rows[:cfg.eval_size], rows[cfg.eval_size:]
+    seen = {_norm(r["prompt"][-1]["content"]) for r in held}
+    train = [r for r in rows if _norm(r["prompt"][-1]["content"]) not in seen][:cfg.train_size]
+    if not train:
+        raise ValueError(f"environment {name!r}: no training rows left after {len(held)} held-out ones")
+    loop = {"tools": [t.__name__ for t in env.tools], "max_turns": env.max_turns} if env.multi_turn else {}
+    return [{**_environment_task(ref, env.system_prompt, name, row, split, cfg), **loop}
+            for split, part in (("eval", held), ("train", train)) for row in part]
+
+
+def _environment_task(ref: EnvironmentRef, system_prompt: str | None, name: str, row: dict, split: str,
+                      cfg: TaskSourceConfig) -> dict:
+    prompt = row["prompt"]
+    if system_prompt and prompt[0]["role"] != "system":
+        prompt = [{"role": "system", "content": system_prompt}, *prompt]
+    rest = {k: v for k, v in row.items() if k not in ("prompt", "question", "answer", "info")}
+    verifier = {"kind": "environment", "environment": ref.model_dump(mode="json", exclude_none=True),
+                "answer": row["answer"], "info": row["info"], "row": rest}
+    if cfg.recipe is not None:
+        verifier["recipe"] = cfg.recipe.model_dump(mode="json", exclude_none=True)
+    digest = hashlib.sha1(orjson.dumps(prompt)).hexdigest()[:12]
+    return {"task_id": f"{name}-{split}-{digest}", "domain": name, "prompt": prompt, "verifier": verifier,
+            "samples_per_task": cfg.samples_per_task, "split": split, "difficulty": 0.0,
+            "metadata": {"environment": name}}

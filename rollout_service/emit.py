@@ -51,6 +51,7 @@ class Completion:
     turns: list[dict[str, Any]] = field(default_factory=list)
     tool_rounds: int = 0
     tool_seconds: float = 0.0
+    state: dict[str, Any] | None = None
 
     @classmethod
     def from_sample(cls, s: Sample) -> Completion:
@@ -59,12 +60,15 @@ class Completion:
                    len(s.completion_ids), error=s.error)
 
     @classmethod
-    def from_rollout(cls, ro: Rollout, policy_version: int) -> Completion:
-        """A tool-loop trajectory; without version spans (nothing generated) it is tagged with an empty
-        span of ``policy_version``."""
-        return cls(ro.ids, ro.logprobs, ro.mask, ro.finish_reason,
+    def from_rollout(cls, ro: Rollout, policy_version: int, state: dict[str, Any] | None = None,
+                     error: str | None = None) -> Completion:
+        """A tool-loop or environment trajectory (``state``: the environment's, ``error``: why it is an error
+        sample); without version spans (nothing generated) it is tagged with an empty span of
+        ``policy_version``."""
+        return cls(ro.ids, ro.logprobs, ro.mask, "error" if error else ro.finish_reason,
                    ro.versions or [VersionSpan(version=policy_version, start=0, end=0)], ro.generated_tokens,
-                   turns=ro.turns, tool_rounds=ro.tool_rounds, tool_seconds=ro.tool_seconds)
+                   error=error, turns=ro.turns, tool_rounds=ro.tool_rounds, tool_seconds=ro.tool_seconds,
+                   state=state)
 
     @property
     def cost(self) -> dict[str, float]:
@@ -133,7 +137,7 @@ class RolloutStats:
     def add(self, c: Completion, request: RolloutRequest | None = None) -> None:
         """Count one published completion (of ``request``, which labels it in :attr:`sink`)."""
         if self.sink is not None and request is not None:
-            self.sink.published(request, c)
+            self.sink.published(request.task.domain, request.purpose, c.finish_reason, c.generated_tokens)
         self.samples += 1
         self.tokens += c.generated_tokens
         self.tool_rounds += c.tool_rounds
@@ -172,7 +176,7 @@ def make_trajectory(group: Group, i: int, tokenizer, attest: Attest | None = Non
         prompt_ids=group.prompt_ids, completion_ids=c.ids, completion_logprobs=c.logprobs, loss_mask=c.mask,
         completion_text=tokenizer.decode(c.ids, skip_special_tokens=True), finish_reason=c.finish_reason,
         error=c.error, policy_versions=c.versions, temperature=req.sampling.temperature, timings=group.timings,
-        turns=c.turns, cost=c.cost, attestation=attest([v.version for v in c.versions]) if attest else None,
+        turns=c.turns, cost=c.cost, state=c.state, attestation=attest([v.version for v in c.versions]) if attest else None,
     )
 
 

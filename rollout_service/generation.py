@@ -25,7 +25,9 @@ from opentelemetry import trace
 from rollout_service.batching import Batch, Headers
 from rollout_service.emit import Completion, Group, RolloutStats, publish
 from rollout_service.engine import Engine, EngineGate, GenerationRequest, Sample
-from rollout_service.tool_loop import ToolRunner, run_tool_loop
+from rollout_service.env_loop import encode_with_tools, run_env_loop
+from rollout_service.tool_loop import Rollout, ToolRunner, run_tool_loop
+from shared.envs import Environment, EnvironmentLoadError, cached_environment
 from shared.model import encode_chat
 from shared.schemas import RolloutRequest, VersionSpan
 from shared.telemetry import extract_context
@@ -44,6 +46,18 @@ def prompt_messages(req: RolloutRequest, system_prompt: str | None) -> list[dict
 def uses_tools(r: RolloutRequest) -> bool:
     """Whether ``r`` runs the multi-turn tool loop: its task names tools and allows more than one turn."""
     return bool(r.task.tools) and r.task.max_turns > 1
+
+
+def environment_loop(r: RolloutRequest) -> Environment | str | None:
+    """The user environment whose loop ``r`` runs (its verifier is an environment with tools or an
+    ``env_response``); the load error's text when that environment cannot be imported; None otherwise."""
+    if r.task.verifier.kind != "environment":
+        return None
+    try:
+        env = cached_environment(r.task.verifier.environment)
+    except EnvironmentLoadError as e:
+        return str(e)
+    return env if env.multi_turn else None
 
 
 @dataclass
@@ -81,8 +95,10 @@ class BatchGenerator:
             the other groups are cancelled then, and nothing of the batch is committed.
         """
         pairs = list(zip(batch.requests, batch.headers))
-        jobs = [self._tool_group(r, h) for r, h in pairs if uses_tools(r)]
-        plain = [(r, h) for r, h in pairs if not uses_tools(r)]
+        envs = [environment_loop(r) for r, _ in pairs]
+        jobs = [self._env_group(r, h, env) for (r, h), env in zip(pairs, envs) if env is not None]
+        jobs += [self._tool_group(r, h) for (r, h), env in zip(pairs, envs) if env is None and uses_tools(r)]
+        plain = [(r, h) for (r, h), env in zip(pairs, envs) if env is None and not uses_tools(r)]
         if plain:
             jobs.append(self._plain([r for r, _ in plain], [h for _, h in plain]))
         tasks = [asyncio.ensure_future(j) for j in jobs]  # in this order: the gate's lock is first come first served
@@ -142,3 +158,27 @@ class BatchGenerator:
         self.stats.generate_s += time.perf_counter() - t0
         log.info("group %s: %d samples, %d tool rounds, %d tokens generated", r.group_id, r.n,
                  sum(ro.tool_rounds for ro in rollouts), sum(ro.generated_tokens for ro in rollouts))
+
+    async def _env_group(self, r: RolloutRequest, headers: Headers, env: Environment | str) -> None:
+        """A user environment's loop for one request (:mod:`rollout_service.env_loop`), then its trajectories; an
+        environment that cannot be imported (``env`` is the error's text) gives ``error`` samples."""
+        picked, t0 = time.time(), time.perf_counter()
+        version = self.engine.policy_version
+        if isinstance(env, str):
+            prompt = self.encode(r)
+            log.warning("group %s: %s", r.group_id, env)
+            completions = [Completion.from_rollout(Rollout(), version, error=env) for _ in range(r.n)]
+        else:
+            prompt = encode_with_tools(self.tokenizer, prompt_messages(r, self.system_prompt), env.tool_schemas())
+            with trace.get_tracer("rollout").start_as_current_span(
+                    "env_loop", context=extract_context(headers), attributes={"group_id": r.group_id, "n": r.n}):
+                runs = await run_env_loop(self.gate, self.tokenizer, env, r.task, prompt, r.n, r.sampling,
+                                          self.max_trajectory_tokens)
+            version = self.engine.policy_version
+            completions = [Completion.from_rollout(ro.rollout, version, ro.state_record(), ro.error) for ro in runs]
+        timings = {"queue": max(0.0, picked - r.issued_at), "generate": time.perf_counter() - t0}
+        group = Group(r, headers, prompt, completions, timings)
+        await publish(self.producer, self.tokenizer, [group], version, self.stats, self.engine.attestation)
+        self.stats.generate_s += time.perf_counter() - t0
+        log.info("group %s: %d environment rollouts, %d observations, %d tokens generated", r.group_id, r.n,
+                 sum(c.tool_rounds for c in completions), sum(c.generated_tokens for c in completions))

@@ -8,15 +8,11 @@ service loop. The policy version gauge reads the engine when scraped.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from shared.metrics import MAX_DOMAINS, SECONDS_SLOW, ServiceMetrics
-
-if TYPE_CHECKING:
-    from rollout_service.emit import Completion
-    from shared.schemas import RolloutRequest
 
 
 class RolloutMetrics(ServiceMetrics):
@@ -54,9 +50,10 @@ class RolloutMetrics(ServiceMetrics):
         """Read the policy version gauge from ``version()`` at scrape time."""
         self.policy_version.set_function(lambda: float(version()))
 
-    def published(self, request: "RolloutRequest", c: "Completion") -> None:
-        """Count one published trajectory of ``request``."""
-        d = self.domain(request.task.domain)
-        self.samples.labels(d, request.purpose, c.finish_reason).inc()
-        if c.generated_tokens:
-            self.tokens.labels(d).inc(c.generated_tokens)
+    def published(self, domain: str, purpose: str, finish_reason: str, generated_tokens: int) -> None:
+        """Count one published trajectory: its request's task ``domain`` and ``purpose``, its finish reason
+        and the tokens the policy generated for it."""
+        d = self.domain(domain)
+        self.samples.labels(d, purpose, finish_reason).inc()
+        if generated_tokens:
+            self.tokens.labels(d).inc(generated_tokens)

@@ -18,7 +18,7 @@ are strongly off-policy even with the decoupled correction, so ``rollout.quantiz
 opt-in, never a default. Per-token activation scales or weight-only int8 with a fast kernel would change that.
 
 The engine keeps the float32 model as the master copy: weight versions load into it exactly as without
-quantization (``shared.checkpoint.load_weights``), and the int8 runner is rebuilt from it after each load
+quantization (``shared.model_weights.load_weights``), and the int8 runner is rebuilt from it after each load
 (:class:`rollout_service.torch_engine.TorchEngine`). The behaviour log-probs are the int8 model's.
 """
 

@@ -42,20 +42,21 @@ FEEDBACK = "test_feedback"
 ALL_PASSED = "all tests passed"
 
 
-def tool_turn_ids(tokenizer, result: str, eos_text: str | None) -> list[int]:
+def tool_turn_ids(tokenizer, result: str, eos_text: str | None, role: str = "tool") -> list[int]:
     """Token ids that follow an assistant turn ending in the end-of-turn token ``eos_text``: the chat
-    template's ``tool`` message holding ``result`` and the next assistant header.
+    template's ``role`` message (``tool``, or ``user`` for an environment's reply) holding ``result`` and the
+    next assistant header.
 
     Raises:
-        ValueError: the chat template does not render a tool message after an assistant message.
+        ValueError: the chat template does not render such a message after an assistant message.
     """
     base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "\x00"}]
     a = tokenizer.apply_chat_template(base, tokenize=False)
-    b = tokenizer.apply_chat_template(base + [{"role": "tool", "content": result}], tokenize=False,
+    b = tokenizer.apply_chat_template(base + [{"role": role, "content": result}], tokenize=False,
                                       add_generation_prompt=True)
     cut = a.find("\x00") + 1
     if cut == 0 or not b.startswith(a[:cut]):
-        raise ValueError("the chat template does not extend an assistant turn with a tool message")
+        raise ValueError(f"the chat template does not extend an assistant turn with a {role} message")
     if eos_text and a[cut:].startswith(eos_text):
         cut += len(eos_text)  # the model generated this token itself
     return tokenizer(b[cut:], add_special_tokens=False)["input_ids"]
@@ -156,14 +157,16 @@ class Rollout:
         self.turns.append({"role": "assistant", "start": start, "end": len(self.ids),
                            "text": tokenizer.decode(sample.completion_ids, skip_special_tokens=True)})
 
-    def add_observation(self, ids: list[int], text: str, calls: list[dict], seconds: float) -> None:
+    def add_observation(self, ids: list[int], text: str, calls: list[dict], seconds: float,
+                        role: str = "tool") -> None:
+        """Tokens the policy did not produce (a tool's result, or an environment's ``user`` reply): mask 0."""
         start = len(self.ids)
         self.ids += ids
         self.logprobs += [0.0] * len(ids)
         self.mask += [0] * len(ids)
         self.tool_rounds += 1
         self.tool_seconds += seconds
-        self.turns.append({"role": "tool", "start": start, "end": len(self.ids), "text": text, "tool_calls": calls,
+        self.turns.append({"role": role, "start": start, "end": len(self.ids), "text": text, "tool_calls": calls,
                            "seconds": seconds})
 
 

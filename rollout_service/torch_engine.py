@@ -30,8 +30,9 @@ import torch
 
 from rollout_service.engine import Engine, GenerationRequest, Sample
 from shared.canary import canary_logprobs, canary_tokens
-from shared.checkpoint import load_weights, load_weights_state, read_update, snapshot_weights
+from shared.checkpoint import read_update
 from shared.lora import AdapterApplier
+from shared.model_weights import load_weights, load_weights_state, snapshot_weights
 from shared.schemas import Attestation, CanaryScore, VersionSpan, WeightUpdate
 
 log = logging.getLogger("rollout.torch")

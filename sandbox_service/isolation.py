@@ -3,7 +3,7 @@
 Everything here is a thin, checked wrapper over a Linux system call (x86_64 and aarch64 numbers;
 Python 3.11 has no ``os.unshare``). Each wrapper raises :class:`OSError` with the errno on failure.
 The layering follows ``../shared/notes/sandbox-isolation.md`` section 4 (measured on this machine
-kind); the per-run order is in :mod:`sandbox_service.worker`.
+kind); the per-run order is in :mod:`sandbox_service.run_process`.
 
 References: unshare(2), mount(2), pivot_root(2), landlock(7) (ABI 1-7), seccomp(2) through
 libseccomp (``pyseccomp``), prctl(2).

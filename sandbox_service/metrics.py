@@ -1,21 +1,21 @@
 """The sandbox's Prometheus metrics, served on its API at ``GET /metrics``.
 
 The run latency histogram (by language) is observed once per execution; the counters, the breaker and
-the slots are read from the :class:`sandbox_service.pool.Pool` when scraped (:class:`PoolCollector`), so the
-execution path does no more than it did before.
+the slots are read when scraped (:class:`PoolCollector`), through a function the pool
+(:class:`sandbox_service.pool.Pool`) hands over that returns a :class:`PoolReading`, so the execution path
+does no more than it did before.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shared.metrics import process_registry
-
-if TYPE_CHECKING:
-    from sandbox_service.pool import Pool
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 """Buckets (seconds) of ``flywheel_sandbox_execution_seconds`` (``+Inf`` is added)."""
@@ -33,31 +33,53 @@ POOL_COUNTERS = {
 """``Pool.counters`` keys exposed as ``flywheel_sandbox_<key>_total``, with their meaning."""
 
 
+@dataclass(frozen=True)
+class PoolReading:
+    """The pool's state at one scrape, as :class:`PoolCollector` exposes it."""
+
+    runs: Mapping[str, int]
+    """Executions answered so far, by result status."""
+    counters: Mapping[str, int]
+    """The pool's counters (:data:`POOL_COUNTERS` keys; a missing key reads 0)."""
+    breaker_open: int
+    """1 while the circuit breaker is open or half-open, else 0."""
+    busy: int
+    """Workers running an execution."""
+    idle: int
+    """Workers waiting for an execution."""
+    waiting: int
+    """Executions waiting for a worker."""
+    alive: int
+    """Worker processes alive."""
+    configured: int
+    """Worker slots configured (``sandbox.max_concurrency``)."""
+
+
 class SandboxMetrics:
-    """The sandbox's families on one registry (one per :class:`Pool`).
+    """The sandbox's families on one registry (one per pool).
 
     Args:
-        pool: the pool whose state the scrape-time families read.
+        read: returns the pool's state now (called at each scrape by the scrape-time families).
         registry: where the families go; default a fresh :func:`shared.metrics.process_registry`.
     """
 
-    def __init__(self, pool: "Pool", registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, read: Callable[[], PoolReading], registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry if registry is not None else process_registry()
         self.execution_seconds = Histogram(
             "flywheel_sandbox_execution_seconds", "Seconds of one execution request, from admission to result "
             "(waiting for a worker and retries included), by language.", ["language"], buckets=LATENCY_BUCKETS_S,
             registry=r)
-        r.register(PoolCollector(pool))
+        r.register(PoolCollector(read))
 
 
 class PoolCollector:
-    """Families read from the pool at scrape time: ``flywheel_sandbox_runs_total{status}``, the
+    """Families read from the pool at scrape time (``read()``): ``flywheel_sandbox_runs_total{status}``, the
     :data:`POOL_COUNTERS`, ``…_breaker_open`` (1 while open or half-open), ``…_busy_slots`` (workers running
     an execution), ``…_idle_slots`` (workers waiting for one), ``…_waiting_runs`` (executions waiting for a
     worker), ``…_workers_alive`` and ``…_workers_configured``."""
 
-    def __init__(self, pool: "Pool") -> None:
-        self.pool = pool
+    def __init__(self, read: Callable[[], PoolReading]) -> None:
+        self.read = read
 
     def describe(self) -> list:
         """The families without samples (registering reads nothing)."""
@@ -77,7 +99,7 @@ class PoolCollector:
 
     def collect(self) -> Iterator:
         """Read the pool now and yield the families."""
-        p = self.pool
+        p = self.read()
         fams = self._families()
         runs = next(fams)
         for status, n in p.runs.items():
@@ -87,8 +109,7 @@ class PoolCollector:
             fam = next(fams)
             fam.add_metric([], p.counters[k])
             yield fam
-        values = (int(p.breaker.state != "closed"), p.running, p.idle.qsize(), p.waiting,
-                  sum(w.alive for w in list(p.workers.values())), p.cfg.max_concurrency)
+        values = (p.breaker_open, p.busy, p.idle, p.waiting, p.alive, p.configured)
         for fam, v in zip(fams, values):
             fam.add_metric([], v)
             yield fam

@@ -34,7 +34,7 @@ from sandbox_service.cgroups import SlotCgroup, slot_cgroup_names
 from sandbox_service.config import SandboxConfig
 from sandbox_service.isolation import Capabilities
 from sandbox_service.isolation import isolation_layers
-from sandbox_service.metrics import SandboxMetrics
+from sandbox_service.metrics import PoolReading, SandboxMetrics
 from sandbox_service.schemas import ExecuteRequest, ExecuteResult, Status, TestResult
 
 log = logging.getLogger("sandbox.pool")
@@ -289,7 +289,7 @@ class Pool:
         self.closing = False
         self.counters = collections.Counter()
         self.runs: dict[str, int] = {s: 0 for s in get_args(Status)}
-        self.metrics = SandboxMetrics(self)
+        self.metrics = SandboxMetrics(self._reading)
         """Prometheus families (``GET /metrics``): the latency histogram, and this pool's state read when scraped."""
         self._tasks: set[asyncio.Task] = set()
         self._cleanups: set[asyncio.Task] = set()
@@ -534,6 +534,12 @@ class Pool:
     def _count(self, r: ExecuteResult, seconds: float, language: str) -> None:
         self.runs[r.status] += 1
         self.metrics.execution_seconds.labels(language).observe(seconds)
+
+    def _reading(self) -> PoolReading:
+        """This pool's state for a metrics scrape (:class:`sandbox_service.metrics.PoolCollector`)."""
+        return PoolReading(self.runs, self.counters, int(self.breaker.state != "closed"), self.running,
+                           self.idle.qsize(), self.waiting, sum(w.alive for w in list(self.workers.values())),
+                           self.cfg.max_concurrency)
 
     def health(self) -> dict:
         """State for ``/healthz``."""

@@ -161,7 +161,7 @@ DEFAULT_THRESHOLDS: dict[str, SignalThreshold] = {
     "kl": SignalThreshold(warning=1.0, min_samples=1),
     "entropy_collapse": SignalThreshold(warning=0.8, min_samples=1),
 }
-"""Default thresholds (docs/guide.md, "Drift monitoring", says why each)."""
+"""Default thresholds (docs/guides/drift.md says why each)."""
 
 
 def check_overrides(v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

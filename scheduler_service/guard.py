@@ -29,7 +29,8 @@ from aiokafka import AIOKafkaProducer
 from scheduler_service.config import SchedulerSettings, check_overrides, deep_merge
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.monitor import DriftMonitor
-from scheduler_service.registry import IssuedGroup, Registry
+from scheduler_service.group_store import IssuedGroup
+from scheduler_service.registry import Registry
 from shared import topics
 from shared.kafka import decode_or_dead_letter, send
 from shared.schemas import Alert, Control, Metrics, RewardEvent
@@ -152,7 +153,8 @@ class DriftGuard:
         self.registry.record_alerts(alerts)
         self.registry.save_breakers(changed)
         self._sync_blocked()
-        self.metrics.raised(alerts)
+        for a in alerts:  # counted as they are published
+            self.metrics.alerts.labels(a.severity, a.signal, a.status).inc()
         for a in alerts:
             log.log(_LOG_LEVEL[a.severity], "ALERT %s %s [%s]: %s", a.status, a.key, a.severity, a.message)
         records: list[tuple[str, Any, str]] = [(topics.ALERTS, a, a.key) for a in alerts]

@@ -1,9 +1,11 @@
 """The scheduler's Prometheus metrics, served on its API at ``GET /metrics`` (``routes/metrics.py``).
 
-Counters and the staleness histogram are fed where the sampler and the drift guard act (issuing,
-scoring, drops, dead letters, alerts). The gauges (policy version, groups in flight, breaker states,
-budget spend, alerts firing) are read from the registry and the monitor when scraped
-(:class:`StateCollector`), so they cost nothing between scrapes and are never stale.
+This module only defines the metric families; it imports no other scheduler module, so every module that
+feeds it can import it. The counters and the staleness histogram are fed where the sampler and the drift
+guard act (issuing, scoring, drops, dead letters, alerts: :mod:`scheduler_service.metrics_feed`,
+``scheduler_service.guard``). The gauges (policy version, groups in flight, breaker states, budget spend,
+alerts firing) are read from the registry and the monitor when scraped
+(:class:`scheduler_service.metrics_feed.StateCollector`), so they cost nothing between scrapes and are never stale.
 
 Domain labels go through a :class:`shared.metrics.DomainLabels` per process (the first 128 domains, then ``other``);
 a gauge over several domains folded into ``other`` is their sum (spend) or their worst state (breakers).
@@ -11,23 +13,9 @@ a gauge over several domains folded into ``other`` is their sum (spend) or their
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
-
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
 
-from shared.metrics import MAX_DOMAINS, VERSIONS, DomainLabels, ServiceMetrics
-
-if TYPE_CHECKING:
-    from scheduler_service.guard import DriftGuard
-    from scheduler_service.registry import IssuedGroup, Registry, RewardOutcome
-    from shared.schemas import Alert, RewardEvent
-
-BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
-"""Value of ``flywheel_scheduler_breaker_state`` per breaker state."""
-SPEND_RESOURCES = ("samples", "generated_tokens", "tool_rounds", "tool_seconds", "sandbox_seconds", "judge_calls",
-                   "verify_seconds", "groups", "group_seconds")
-"""Columns of the registry's ``spend`` table shown as ``flywheel_scheduler_budget_spent{resource}``."""
+from shared.metrics import MAX_DOMAINS, VERSIONS, ServiceMetrics
 
 
 class SchedulerMetrics(ServiceMetrics):
@@ -60,109 +48,3 @@ class SchedulerMetrics(ServiceMetrics):
                               ["severity", "signal", "status"], registry=r)
         self.staleness = Histogram("flywheel_scheduler_staleness_versions", "Policy version when a training "
                                    "sample was scored minus its behaviour version.", buckets=VERSIONS, registry=r)
-
-    def watch(self, registry: "Registry", guard: Callable[[], "DriftGuard"]) -> None:
-        """Register the scrape-time gauges over ``registry`` and ``guard()`` (the current drift guard)."""
-        self.registry.register(StateCollector(registry, guard, self.domain))
-
-    # ------------------------------------------------------------ events
-
-    def issued(self, groups: Iterable["IssuedGroup"]) -> None:
-        """Count groups just sent (attempt 1: issued; later attempts: re-issued)."""
-        for g in groups:
-            fam = self.groups_issued if g.attempt <= 1 else self.groups_reissued
-            fam.labels(self.domain(g.domain), g.purpose).inc()
-
-    def reward(self, ev: "RewardEvent", outcome: "RewardOutcome", policy_version: int) -> None:
-        """Count one recorded RewardEvent (only what :meth:`Registry.record_reward` counted)."""
-        if not outcome.counted:
-            return
-        d = self.domain(ev.domain)
-        if outcome.completed:
-            self.groups_completed.labels(d, ev.purpose).inc()
-        if not outcome.scored:
-            self.infra_errors.labels(d).inc()
-            return
-        self.samples_scored.labels(d, ev.purpose).inc()
-        if ev.passed:
-            self.samples_passed.labels(d, ev.purpose).inc()
-        if ev.purpose == "train":
-            self.staleness.observe(max(0, policy_version - ev.policy_version))
-
-    def raised(self, alerts: Iterable["Alert"]) -> None:
-        """Count alert records as they are published."""
-        for a in alerts:
-            self.alerts.labels(a.severity, a.signal, a.status).inc()
-
-
-class StateCollector:
-    """Gauges read from the registry and the drift monitor at scrape time.
-
-    ``flywheel_scheduler_policy_version``, ``…_in_flight_groups`` and ``…_pending_groups`` (all purposes),
-    ``…_breaker_state{domain}`` (0 closed, 1 half-open, 2 open), ``…_budget_spent{domain,purpose,resource}``
-    (the registry's ``spend`` table), ``…_budget_cap{domain,resource}`` (the domains' ``budget`` caps),
-    ``…_alerts_firing{severity}`` and ``…_training_paused`` (1 while paused run-wide).
-    """
-
-    def __init__(self, registry: "Registry", guard: Callable[[], "DriftGuard"], domain: DomainLabels) -> None:
-        self.reg, self.guard, self.domain = registry, guard, domain
-
-    def describe(self) -> list[GaugeMetricFamily]:
-        """The families, without samples (so registering does not read the database)."""
-        return list(self._families())
-
-    def _families(self) -> Iterator[GaugeMetricFamily]:
-        yield GaugeMetricFamily("flywheel_scheduler_policy_version", "Highest policy version announced on "
-                                "flywheel.weights.")
-        yield GaugeMetricFamily("flywheel_scheduler_in_flight_groups", "Groups issued and not yet complete.")
-        yield GaugeMetricFamily("flywheel_scheduler_pending_groups", "Groups written and waiting to be sent.")
-        yield GaugeMetricFamily("flywheel_scheduler_breaker_state", "Circuit breaker per domain: 0 closed, "
-                                "1 half-open, 2 open.", labels=["domain"])
-        yield GaugeMetricFamily("flywheel_scheduler_budget_spent", "What each domain spent so far, per purpose and "
-                                "resource (samples, tokens, seconds, calls).", labels=["domain", "purpose", "resource"])
-        yield GaugeMetricFamily("flywheel_scheduler_budget_cap", "A domain's training budget cap per resource.",
-                                labels=["domain", "resource"])
-        yield GaugeMetricFamily("flywheel_scheduler_alerts_firing", "Alerts firing now, by severity.",
-                                labels=["severity"])
-        yield GaugeMetricFamily("flywheel_scheduler_training_paused", "1 while training is paused run-wide.")
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        """Read the state now and yield the gauges."""
-        version, in_flight, pending, breakers, spent, caps, firing, paused = self._families()
-        reg = self.reg
-        version.add_metric([], reg.policy_version)
-        states = reg.group_state_counts()
-        in_flight.add_metric([], states["issued"])
-        pending.add_metric([], states["pending"])
-        monitor = self.guard().monitor
-        worst: dict[str, int] = {}
-        for d, b in list(monitor.breakers.items()):
-            lab = self.domain(d)
-            worst[lab] = max(worst.get(lab, 0), BREAKER_STATES.get(b.state, 2))
-        for d in reg.domain_rows():
-            worst.setdefault(self.domain(d), 0)
-        for lab, v in sorted(worst.items()):
-            breakers.add_metric([lab], v)
-        sums: dict[tuple[str, str, str], float] = {}
-        for d, per in reg.spend().items():
-            lab = self.domain(d)
-            for purpose, vals in per.items():
-                for k in SPEND_RESOURCES:
-                    key = (lab, purpose, k)
-                    sums[key] = sums.get(key, 0.0) + float(vals.get(k) or 0.0)
-        for key, v in sorted(sums.items()):
-            spent.add_metric(list(key), v)
-        cap_sums: dict[tuple[str, str], float] = {}
-        for d, row in reg.domain_rows().items():
-            for k, v in row.config.budget.model_dump(exclude_none=True).items():
-                key = (self.domain(d), k)
-                cap_sums[key] = cap_sums.get(key, 0.0) + float(v)
-        for key, v in sorted(cap_sums.items()):
-            caps.add_metric(list(key), v)
-        count = {"critical": 0, "warning": 0, "info": 0}
-        for a in list(monitor.active.values()):
-            count[a.severity] = count.get(a.severity, 0) + 1
-        for sev, n in count.items():
-            firing.add_metric([sev], n)
-        paused.add_metric([], 1.0 if reg.training_pause() is not None else 0.0)
-        yield from (version, in_flight, pending, breakers, spent, caps, firing, paused)

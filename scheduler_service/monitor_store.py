@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from scheduler_service.monitor import Breaker
+from scheduler_service.breaker import Breaker
 from shared.schemas import Alert
 
 MONITOR_SCHEMA = """

@@ -16,6 +16,7 @@ from aiokafka import AIOKafkaProducer
 from scheduler_service.config import SchedulerSettings
 from scheduler_service.guard import DriftGuard
 from scheduler_service.metrics import SchedulerMetrics
+from scheduler_service.metrics_feed import watch_state
 from scheduler_service.registry import Registry
 from scheduler_service.sampler import Sampler
 from scheduler_service.stats import Stats
@@ -43,7 +44,7 @@ class SchedulerState:
         self.stats = Stats(config.scheduler.status_window_s, config.scheduler.recent_samples)
         self.metrics = SchedulerMetrics()
         """Prometheus families of this process (``GET /metrics``); the gauges read the registry when scraped."""
-        self.metrics.watch(registry, lambda: self.guard)
+        watch_state(self.metrics, registry, lambda: self.guard)
         self.producer: AIOKafkaProducer | None = None
         self.sampler: Sampler | None = None
         self._guard: DriftGuard | None = None

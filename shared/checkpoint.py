@@ -18,7 +18,7 @@ all), then :meth:`CheckpointStore.save_trainer_state` adds ``optimizer.pt`` and 
 (each written to a ``.tmp`` file and renamed) and moves ``latest.json``. A crash between the two leaves
 one published version without trainer state; the trainer resumes at it with the previous version's
 optimizer state (see ``trainer_service.main.build_trainer``). A write that fails (a full disk:
-:class:`DiskFullError`) removes its partial files, so ``latest.json`` and ``newest_published`` never
+:class:`shared.disk.DiskFullError`) removes its partial files, so ``latest.json`` and ``newest_published`` never
 name a half-written version.
 
 What is kept (:meth:`CheckpointStore.prune`), and why: resume needs the newest complete version's
@@ -30,28 +30,25 @@ only the newest complete version keeps ``optimizer.pt`` and ``trainer_state.pt``
 optimizer state too (``trainer.drop_optimizer_on_finish``, or ``flywheel clean``). Files written before
 this layout (the optimizer inside ``trainer_state.pt``) still load.
 
-``optimizer.pt`` is written with direct I/O (:class:`DirectFile`): a file that only resume reads
+``optimizer.pt`` is written with direct I/O (:class:`shared.disk.DirectFile`): a file that only resume reads
 has no business in the page cache, and on this machine's virtual disk buffered writes of ~1.6 GB per step
 cost the machine 1.6-2.0 CPU-seconds per step (mostly kernel time: page-cache allocation, reclaim and
 writeback) against 0.6-0.9 with the optimizer state through ``O_DIRECT`` (``benchmarks/checkpoint_io.py``). The weights stay buffered: the rollout engines
 read them right after, from the cache.
+
+Disk space and the direct-I/O writer live in :mod:`shared.disk`; taking a model's weights for a version and
+loading them back, in :mod:`shared.model_weights`.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
-import io
 import json
-import logging
-import mmap
 import os
 import shutil
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 import xxhash
@@ -63,9 +60,9 @@ except ImportError:  # a torch without the setting: _torch_crc32 is a no-op
     _TORCH_SAVE = None
 from safetensors.torch import load_file, save_file
 
+from shared.disk import DirectFile, DiskFullError, is_disk_full
 from shared.schemas import AdapterInfo, TensorInfo, WeightUpdate, decode
 
-log = logging.getLogger("checkpoint")
 WEIGHTS_FILE = "model.safetensors"
 """A version's full weights."""
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -93,221 +90,6 @@ def file_checksum(path: str | os.PathLike, algorithm: str = "xxh3_128") -> str:
         while chunk := f.read(8 << 20):
             h.update(chunk)
     return f"{algorithm}:{h.hexdigest()}"
-
-
-class DiskFullError(OSError):
-    """A checkpoint file could not be written because its file system is full (ENOSPC or EDQUOT).
-
-    Raised by :meth:`CheckpointStore.save_weights` and :meth:`CheckpointStore.save_trainer_state` after
-    they removed what they had written, so the store is as it was before the call."""
-
-    def __init__(self, path: str | os.PathLike, cause: BaseException) -> None:
-        super().__init__(errno.ENOSPC, f"no space left to write {path}: {cause}")
-
-
-_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
-_FULL_TEXT = ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")
-
-
-def is_disk_full(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an exception it was raised from) is a full disk.
-
-    The writers report it differently: ``OSError(ENOSPC)`` from Python file objects, safetensors'
-    ``SafetensorError("... No space left on device (os error 28)")``, torch.save to a path a bare
-    ``RuntimeError`` (hence :meth:`CheckpointStore.save_trainer_state` writes through a file object).
-    """
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in _FULL_ERRNOS:
-            return True
-        if any(t in str(e) for t in _FULL_TEXT):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def tensor_bytes(obj: Any) -> int:
-    """Bytes of every tensor nested in ``obj`` (dicts, lists, tuples), each counted once."""
-    seen: set[int] = set()
-
-    def walk(o: Any) -> int:
-        if isinstance(o, torch.Tensor):
-            key = o.untyped_storage().data_ptr()
-            if key in seen and key != 0:
-                return 0
-            seen.add(key)
-            return o.numel() * o.element_size()
-        if isinstance(o, dict):
-            return sum(walk(v) for v in o.values())
-        if isinstance(o, (list, tuple)):
-            return sum(walk(v) for v in o)
-        return 0
-
-    return walk(obj)
-
-
-CHECKPOINT_OVERHEAD_BYTES = 1 << 20
-"""Added to the tensors' bytes in :func:`checkpoint_bytes`: safetensors header, the JSON files, the pickled
-RNG state and counters (a few KiB for the tiny model; 1 MiB keeps a margin)."""
-
-
-def checkpoint_bytes(weights: dict[str, torch.Tensor], trainer_state: dict | None) -> int:
-    """Expected bytes on disk of one version: its tensors, ~64 B per group id, :data:`CHECKPOINT_OVERHEAD_BYTES`."""
-    ids = len(trainer_state.get("done_groups", ())) if trainer_state else 0
-    return tensor_bytes(weights) + tensor_bytes(trainer_state) + 64 * ids + CHECKPOINT_OVERHEAD_BYTES
-
-
-DiskLevel = Literal["ok", "warning", "critical"]
-
-
-@dataclass(frozen=True)
-class DiskPolicy:
-    """When a checkpoint may be written, and when to warn (``trainer.disk_*``).
-
-    ``reserve_bytes``: what must stay free after the write (logs, the registry, other processes).
-    ``warn_checkpoints``: warn while fewer than this many more checkpoints would fit above the reserve.
-    """
-
-    reserve_bytes: int
-    warn_checkpoints: float
-
-    def level(self, free: int, need: int) -> DiskLevel:
-        """``critical``: writing ``need`` bytes would leave less than the reserve of ``free`` bytes (do not
-        write); ``warning``: fewer than ``warn_checkpoints`` × ``need`` above the reserve; else ``ok``."""
-        if free - need < self.reserve_bytes:
-            return "critical"
-        if free < self.reserve_bytes + self.warn_checkpoints * need:
-            return "warning"
-        return "ok"
-
-    def threshold(self, level: DiskLevel, need: int) -> int:
-        """The free bytes below which ``level`` holds (for the alert's ``threshold``)."""
-        if level == "critical":
-            return self.reserve_bytes + need
-        return int(self.reserve_bytes + self.warn_checkpoints * need)
-
-
-class DirectFile(io.RawIOBase):
-    """A write-only file that bypasses the page cache (``O_DIRECT``), for large files read back rarely.
-
-    Bytes given to :meth:`write` are copied into a page-aligned staging buffer of ``stage_bytes`` (an
-    anonymous ``mmap``) and written a full buffer at a time; :meth:`close` writes the last partial buffer
-    padded to :data:`BLOCK` bytes, truncates the file to the bytes written, and ``fsync`` s it (so a file that
-    closed without error is on disk). ``O_DIRECT`` needs the memory, offset and length of every write aligned
-    to the device's logical block size; 4,096 covers every block device in use, and the staging buffer keeps
-    callers free of that rule (``torch.save`` writes through it as through any file object).
-
-    A file system that refuses ``O_DIRECT`` (``EINVAL`` at open) gets an ordinary buffered file, flushed and
-    ``fsync`` ed at close the same way (logged once per process). :attr:`checksum` is the xxh3-128 of what was
-    written, computed on the way (~0.1 s per GB), so a reader can verify the file without this writer's help.
-
-    Args:
-        path: created or truncated, mode 0600.
-        stage_bytes: size of the staging buffer in bytes (a multiple of :data:`BLOCK`; default 16 MiB).
-
-    Raises:
-        OSError: from ``open``/``write``/``fsync`` (``ENOSPC`` on a full disk: the caller removes the file).
-    """
-
-    BLOCK = 4096
-    """Alignment (bytes) of the memory, file offset and length of every ``O_DIRECT`` write."""
-    _warned = False
-
-    def __init__(self, path: str | os.PathLike, stage_bytes: int = 16 << 20) -> None:
-        super().__init__()
-        if stage_bytes <= 0 or stage_bytes % self.BLOCK:
-            raise ValueError(f"stage_bytes must be a positive multiple of {self.BLOCK}, not {stage_bytes}")
-        self.size = 0
-        """Bytes written so far (the file's length once closed)."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-        try:
-            self._fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
-            self.direct = hasattr(os, "O_DIRECT")
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            self._fd = os.open(path, flags, 0o600)
-            self._buffered(f"{path}: the file system refuses O_DIRECT at open")
-        self._stage = mmap.mmap(-1, stage_bytes)
-        self._view = memoryview(self._stage)
-        self._fill = 0
-        self._hash = xxhash.xxh3_128()
-
-    def _buffered(self, why: str) -> None:
-        """From now on this file goes through the page cache (logged once per process)."""
-        self.direct = False
-        if not DirectFile._warned:
-            DirectFile._warned = True
-            log.info("%s; writing through the page cache", why)
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        """Append ``data`` (any bytes-like object); returns its length in bytes."""
-        src = memoryview(data).cast("B")
-        self._hash.update(src)
-        n, i, cap = len(src), 0, len(self._stage)
-        while i < n:
-            c = min(cap - self._fill, n - i)
-            self._view[self._fill:self._fill + c] = src[i:i + c]
-            self._fill += c
-            i += c
-            if self._fill == cap:
-                self._drain()
-        self.size += n
-        return n
-
-    @property
-    def checksum(self) -> str:
-        """``xxh3_128:<hex>`` of the bytes written so far (:func:`file_checksum` of the closed file)."""
-        return f"xxh3_128:{self._hash.hexdigest()}"
-
-    def _drain(self) -> None:
-        """Write the staged bytes, padded with zeros to a whole block (only the last drain is partial).
-
-        A file system that took ``O_DIRECT`` at open but refuses it on ``write`` (``EINVAL``: some FUSE and
-        overlay mounts, devices with blocks over 4 KiB) gets the flag cleared and the write retried through the
-        page cache. A write that stores nothing, or a short one that leaves the next misaligned, is reported as
-        ``ENOSPC`` (what it means on a local file system), so the caller sees a full disk.
-        """
-        end = -(-self._fill // self.BLOCK) * self.BLOCK
-        self._view[self._fill:end] = bytes(end - self._fill)
-        done = 0
-        while done < end:
-            try:
-                n = os.write(self._fd, self._view[done:end])
-            except OSError as e:
-                if e.errno != errno.EINVAL or not self.direct:
-                    raise
-                fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-                self._buffered("a write with O_DIRECT was refused (EINVAL)")
-                continue
-            if n <= 0 or (self.direct and done + n < end and n % self.BLOCK):
-                raise OSError(errno.ENOSPC, f"short write ({n} of {end - done} bytes)")
-            done += n
-        self._fill = 0
-
-    def close(self) -> None:
-        """Write what is staged, cut the padding off, ``fsync`` and close (idempotent).
-
-        Raises:
-            OSError: the last write, the truncation or the ``fsync`` failed (the descriptor is closed anyway).
-        """
-        if self.closed:
-            return
-        try:
-            if self._fill:
-                self._drain()
-            os.ftruncate(self._fd, self.size)
-            os.fsync(self._fd)
-        finally:
-            os.close(self._fd)
-            self._view.release()
-            self._stage.close()
-            super().close()
 
 
 @contextmanager
@@ -343,37 +125,6 @@ def manifest(weights: dict[str, torch.Tensor]) -> list[TensorInfo]:
             for k, v in weights.items()]
 
 
-def snapshot_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A detached CPU copy of the model's state dict with tied tensors stored once (first name kept)."""
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in _untied(model)}
-
-
-def _untied(model: torch.nn.Module):
-    """``(name, tensor)`` of the model's state dict with tied tensors once (the first name kept)."""
-    seen = set()
-    for k, v in model.state_dict().items():
-        ptr = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
-        if ptr not in seen:
-            seen.add(ptr)
-            yield k, v
-
-
-def live_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's CPU state dict as :func:`snapshot_weights` lays it out (tied tensors once), without copying:
-    the tensors are the parameters themselves, so they must not change until whoever reads them is done
-    (``trainer_service.trainer.PolicyTrainer.update_gate``).
-
-    Raises:
-        ValueError: a tensor is not on the CPU or not contiguous (safetensors writes neither in place).
-    """
-    out = {}
-    for k, v in _untied(model):
-        if v.device.type != "cpu" or not v.is_contiguous():
-            raise ValueError(f"{k}: live weights need contiguous CPU tensors (use snapshot_weights)")
-        out[k] = v.detach()
-    return out
-
-
 class CheckpointStore:
     """A directory of policy versions (see module docstring)."""
 
@@ -387,7 +138,8 @@ class CheckpointStore:
 
     def save_weights(self, weights: dict[str, torch.Tensor], model_name: str, version: int, step: int,
                      trained_groups: list[str] | None = None, adapter: AdapterInfo | None = None) -> WeightUpdate:
-        """Phase 1: write the weights (from :func:`snapshot_weights`) of ``version``; returns its WeightUpdate.
+        """Phase 1: write the weights (from :func:`shared.model_weights.snapshot_weights`) of ``version``; returns
+        its WeightUpdate.
 
         Everything is written into ``vNNNNNN.tmp`` and renamed, so ``update.json`` never points at a
         partial file. ``trained_groups`` are the ids of the groups this step trained. With ``adapter``,
@@ -578,43 +330,3 @@ def read_update(update: WeightUpdate, verify: bool = True) -> dict[str, torch.Te
         if got != update.checksum:
             raise ValueError(f"weight version {update.version}: checksum {got} != {update.checksum}")
     return load_file(str(update.path))
-
-
-def load_weights(model: torch.nn.Module, update: WeightUpdate, verify: bool = True) -> None:
-    """Load the full weights a WeightUpdate points to into ``model``.
-
-    Raises:
-        FileNotFoundError: the version was pruned or never written.
-        ValueError: the version is a LoRA adapter (:class:`shared.lora.AdapterApplier` serves those), or as
-            :func:`read_update`.
-    """
-    if update.adapter is not None:
-        raise ValueError(f"weight version {update.version} is a LoRA adapter, not full weights")
-    load_weights_state(model, read_update(update, verify), str(update.path))
-
-
-def load_weights_file(model: torch.nn.Module, path: str | os.PathLike) -> None:
-    """Load a safetensors file written by :meth:`CheckpointStore.save` into ``model`` in place.
-
-    Raises:
-        ValueError: a tensor is missing (other than one tied to a loaded tensor) or unexpected.
-    """
-    load_weights_state(model, load_file(str(path)), str(path))
-
-
-def load_weights_state(model: torch.nn.Module, state: dict[str, torch.Tensor], origin: str = "weights") -> None:
-    """Load ``state`` (tied tensors stored once, as :func:`snapshot_weights` makes it) into ``model`` in place.
-
-    Raises:
-        ValueError: a tensor is missing (other than one tied to a loaded tensor) or unexpected.
-    """
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected:
-        raise ValueError(f"{origin}: unexpected tensors {unexpected[:5]}")
-    if not missing:
-        return
-    own = model.state_dict()  # once: building it walks every module (~1 ms for SmolLM2; it was built per tensor)
-    loaded = {own[k].untyped_storage().data_ptr() for k in state}
-    untied = [k for k in missing if own[k].untyped_storage().data_ptr() not in loaded]
-    if untied:
-        raise ValueError(f"{origin}: missing tensors {untied[:5]}")

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from shared.envs.loading import EnvironmentRef
 from shared.jsoncheck import check_json, check_size
 
 COMPONENTS = ("correctness", "format", "tool_protocol", "safety", "truncation", "judge")
@@ -497,6 +498,30 @@ class GeometrySpec(_Spec):
         return v
 
 
+class EnvironmentSpec(_Spec):
+    """Score with a user environment's rubric (:mod:`shared.envs`, docs/guides/environments.md): the verifier
+    loads the environment ``environment`` names and calls its reward functions with the completion, the prompt,
+    ``answer``, ``info`` and ``row``. Their weighted mean is the ``correctness`` component; a reward that
+    raises, times out (``verifier.reward_timeout_s``) or returns a non-number is an infrastructure error,
+    never a 0."""
+
+    kind: Literal["environment"] = "environment"
+    environment: EnvironmentRef
+    answer: Any = None
+    """The dataset row's answer (any JSON value)."""
+    info: dict[str, Any] = Field(default_factory=dict)
+    """The row's ``info``."""
+    row: dict[str, Any] = Field(default_factory=dict)
+    """The rest of the dataset row (the reward's ``task`` argument, with ``prompt``, ``answer`` and ``info``)."""
+
+    @field_validator("answer", "info", "row")
+    @classmethod
+    def _storable(cls, v: Any, info) -> Any:
+        check_json(v)
+        check_size(v, MAX_SPEC_JSON_BYTES, info.field_name)
+        return v
+
+
 def _flatten_params(v: Any) -> Any:
     """``{kind, params: {...}, recipe?}`` → ``{kind, ...params, recipe?}`` (both forms are accepted)."""
     if isinstance(v, dict) and "params" in v:
@@ -512,7 +537,7 @@ def _flatten_params(v: Any) -> Any:
 
 VerifierSpec = Annotated[
     Union[ReasoningGymSpec, MathSpec, UnitTestsSpec, ExactSpec, RegexSpec, NumericSpec, JsonFieldsSpec,
-          GeometrySpec],
+          GeometrySpec, EnvironmentSpec],
     Field(discriminator="kind"),
     BeforeValidator(_flatten_params),
 ]

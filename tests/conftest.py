@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -22,6 +24,52 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if E2E_DIR in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.e2e)
+
+
+SESSION_ENV = "FLYWHEEL_TEST_SESSION"
+"""Environment variable every process started by a test run inherits: its value names the run, so processes it
+left behind are found even after their parent died and they were re-parented."""
+OWN_HELPERS = (b"multiprocessing.resource_tracker",)
+"""Processes the test run's own interpreter keeps until it exits (the ``spawn`` context's resource tracker):
+not left behind by a test."""
+
+
+def _processes_of(session: str) -> list[tuple[int, str]]:
+    """(pid, command line) of the live processes whose environment carries ``SESSION_ENV=session``."""
+    found, needle = [], f"{SESSION_ENV}={session}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            if any(helper in cmdline for helper in OWN_HELPERS):
+                continue
+            found.append((int(entry.name), cmdline.decode(errors="replace")[:200]))
+        except (OSError, IndexError):
+            continue  # gone meanwhile, or another user's (a sandboxed child)
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_process_outlives_the_run():
+    """Set up first and torn down last: when the tier ends (the session broker and sandbox stopped), no process
+    this run started may still live. One that does is killed and named, and the run errors."""
+    session = uuid.uuid4().hex
+    os.environ[SESSION_ENV] = session
+    yield
+    deadline = time.monotonic() + 15  # a process being stopped right now gets its grace
+    while (left := _processes_of(session)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid, _ in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"processes left running when the test run ended: {left}"
 
 
 @pytest.fixture(scope="session")

@@ -155,7 +155,7 @@ def test_the_grafana_dashboard_is_what_its_script_writes():
     assert prov["datasources"][0]["uid"] == "flywheel-prometheus"
 
 
-# ---------------------------------------------------------------- issue 19: access control in compose
+# ---------------------------------------------------------------- access control in compose
 FLYWHEEL_CONTAINERS = [*SERVICES, "rollout-long", "job"]
 TOKEN_FILE = "/data/auth_token"
 

@@ -7,6 +7,7 @@ the middle and independent of each other, ``shared`` (contracts and helpers) at 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,54 @@ def _long_functions() -> list[str]:
 
 def test_no_function_outside_tests_is_longer_than_80_lines():
     assert _long_functions() == []
+
+
+MAX_MODULE_LINES = 600
+"""Longest product module: past this a module holds more than one responsibility (split it along them)."""
+
+
+def _python_files(*packages: str) -> list[Path]:
+    return [p for pkg in packages for p in sorted((ROOT / pkg).rglob("*.py"))]
+
+
+def test_no_product_module_is_longer_than_600_lines():
+    long = [f"{p.relative_to(ROOT)} ({n} lines)" for p in _python_files(*PACKAGES)
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert long == []
+
+
+def test_code_and_comments_name_no_issue_numbers():
+    """Code says what it does and why; which issue or round brought it belongs in the changelog."""
+    pattern = re.compile(r"\b[Ii]ssues? #?\d+")
+    found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()[:100]}"
+             for p in _python_files(*PACKAGES, "benchmarks", "scripts", "examples", "tests")
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert found == []
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, name: str, known: set[str]) -> set[str]:
+    """The project modules ``path`` imports anywhere in its body (function-level imports included)."""
+    out: set[str] = set()
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in known}
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1] + [node.module or ""]).strip(".") \
+                if node.level else node.module
+            out |= {m for m in (base, *(f"{base}.{a.name}" for a in node.names)) if m in known}
+    return out - {name}
+
+
+def test_no_two_modules_import_each_other():
+    """A circle between two files means neither can be read (or loaded) without the other; a metrics module,
+    for one, defines and registers its metrics and is fed by its service, never the other way round."""
+    files = {_module_name(p): p for p in _python_files(*PACKAGES)}
+    graph = {name: _imports(path, name, set(files)) for name, path in files.items()}
+    circles = sorted(f"{a} <-> {b}" for a, deps in graph.items() for b in deps if a < b and a in graph[b])
+    assert circles == []

@@ -51,7 +51,7 @@ class LoraConfig(BaseModel):
     Only the adapters get gradients and AdamW state; each version's weights event carries the adapter
     (``adapter_model.safetensors``, a few MB) and the rollout engines apply it to the base model. LoRA needs a
     larger learning rate than full fine-tuning: about 10x for the same result in RL at moderate rank ("LoRA
-    Without Regret", Schulman et al., Thinking Machines 2025), which ``docs/lora.md`` checks on the main job."""
+    Without Regret", Schulman et al., Thinking Machines 2025), which ``docs/guides/lora.md`` checks on the main job."""
 
     model_config = ConfigDict(extra="forbid")
     r: int = Field(16, ge=1, le=1024)

@@ -1,6 +1,6 @@
 """Per-domain metrics of one optimizer step: one ``Metrics(source="trainer", domain=d)`` record per domain
 trained in the step, sent on flywheel.metrics after the step's run-wide record
-(:class:`trainer_service.main.Publisher`).
+(:class:`trainer_service.publisher.Publisher`).
 
 Pure arithmetic over the step's groups (no torch, no Kafka). The definitions match the run-wide
 ``train/*`` values of :meth:`trainer_service.trainer.PolicyTrainer.train_step`, restricted to one domain's rows:

@@ -2,7 +2,7 @@
 
 For measuring the message bus and the services without a model (``benchmarks/null_pipeline.py``, with
 ``rollout.engine: null``), never for training. :class:`NullTrainer` stands where
-:class:`trainer_service.trainer.PolicyTrainer` does in :class:`trainer_service.main.TrainLoop`: the loop
+:class:`trainer_service.trainer.PolicyTrainer` does in :class:`trainer_service.loop.TrainLoop`: the loop
 still assembles groups, drops stale, failed and blocked ones (announced on flywheel.group_drops), counts
 steps and versions, and the publisher still announces each version on flywheel.weights, sends the step's
 metrics and releases the groups' offsets for committing; only the forward, backward and optimizer step,

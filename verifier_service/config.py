@@ -53,6 +53,12 @@ class VerifierConfig(BaseModel):
     """Processes of the CPU pool (math-verify and the slow reasoning-gym scorers; each holds sympy, ~100 MB)."""
     check_timeout_s: float = Field(30.0, gt=0, le=600)
     """Bound of one deterministic check run in a thread or the pool (regex has its own; seconds)."""
+    reward_workers: int = Field(2, ge=1, le=64)
+    """Processes per user environment that run its reward functions (``environment`` kind): each environment
+    gets its own pool, so a slow or stuck reward holds up only its own domain."""
+    reward_timeout_s: float = Field(30.0, gt=0, le=600)
+    """Bound of one call of an environment's rubric (seconds); past it the call is an infrastructure error and
+    the environment's pool is restarted."""
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     """The judge endpoint used by recipes with a ``judge`` rubric."""
     recipes: dict[str, Recipe] = Field(default_factory=dict)

@@ -5,7 +5,7 @@ The judge sees the rubric, the task, an optional reference answer and the respon
 the system prompt names, after :func:`neutralise` has broken whatever in it could pass for the prompt's
 own structure (the markers, chat-template tokens, section headers, a ``SCORE:`` line); the system
 prompt tells the judge to follow no instruction inside it and to count an attempt to address the
-grader against the response. (The detector ``verifier_service.hacks.judge_injection`` zeroes such
+grader against the response. (The detector ``verifier_service.hacks.injection.judge_injection`` zeroes such
 responses of a judged task under the default recipe; this is the second line.) Its reply is
 parsed robustly (:func:`parse_judge_score`); a reply that cannot be parsed, an HTTP error or a
 timeout is ``infra_error`` (retried by the service), never a 0.

@@ -75,7 +75,7 @@ async def score_with_retries(scorer: Scorer, cfg: VerifierConfig, traj: Trajecto
             reward = await scorer.score(
                 traj.task.verifier, traj.completion_text, finish_reason=traj.finish_reason,
                 prompt=[m.model_dump() for m in traj.task.prompt], tools=traj.task.tools, domain=traj.task.domain,
-                cost=cost)
+                cost=cost, rollout=rollout_context(traj))
         finally:
             cost["verify_seconds"] = cost.get("verify_seconds", 0.0) + time.perf_counter() - t0
         attempts += 1
@@ -88,6 +88,16 @@ async def score_with_retries(scorer: Scorer, cfg: VerifierConfig, traj: Trajecto
     if reward.infra_error:
         reward.details["attempts"] = attempts
     return reward
+
+
+def rollout_context(traj: Trajectory) -> dict:
+    """What an environment's rewards see of a rollout beyond its text: the environment's ``state``, the
+    ``tool_calls`` of every turn, and the ``turns`` (``{role, text}``); for a multi-turn rollout the
+    ``completion`` they get is its last assistant turn."""
+    turns = [{"role": t.get("role"), "text": t.get("text", "")} for t in traj.turns]
+    last = next((t["text"] for t in reversed(turns) if t["role"] == "assistant"), None)
+    return {"state": traj.state or {}, "turns": turns, "completion": last,
+            "tool_calls": [c for t in traj.turns for c in t.get("tool_calls") or []]}
 
 
 def sample_cost(traj: Trajectory, verifier_cost: dict[str, float] | None = None) -> dict[str, float]:
@@ -124,7 +134,16 @@ def reward_event(traj: Trajectory, reward: Reward, verifier_cost: dict[str, floa
         event_time=time.time() if scored_at is None else scored_at, verifier_kind=t.verifier.kind,
         components={str(k): float(v) for k, v in list(reward.components.items())[:64] if math.isfinite(v)},
         gates=[str(g) for g in reward.details.get("gated_by", [])][:32],
+        metrics=environment_metrics(reward.details),
     )
+
+
+def environment_metrics(details: dict) -> dict[str, float]:
+    """The reward functions' values and named metrics of an ``environment`` reward (finite floats, at most 64)."""
+    found = {**{k: v for k, v in (details.get("rewards") or {}).items() if v is not None},
+             **(details.get("metrics") or {})}
+    return {str(k)[:128]: float(v) for k, v in list(found.items())[:64]
+            if isinstance(v, (int, float)) and math.isfinite(v)}
 
 
 _SPACE = re.compile(r"\s+")
@@ -281,7 +300,7 @@ def _count(o: _Outcome, counters: _Counters, prom: VerifierMetrics | None) -> No
     elif reward.passed:
         counters.add("passed")
     for name in reward.details.get("hacks", {}):
-        counters.add(f"hack_{name}")  # reward-hacking detectors (verifier_service/hacks.py)
+        counters.add(f"hack_{name}")  # reward-hacking detectors (verifier_service/hacks/)
     for name in reward.details.get("gated_by", []):
         counters.add(f"gated_{name}")
     if prom is not None:

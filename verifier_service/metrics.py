@@ -31,7 +31,7 @@ class VerifierMetrics(ServiceMetrics):
         self.infra_errors = Counter("flywheel_verifier_infra_errors", "Trajectories that could not be scored "
                                     "(sandbox or judge down, generation error), by verifier kind.", ["kind"],
                                     registry=r)
-        self.hacks = Counter("flywheel_verifier_hacks", "Reward-hacking detector hits (verifier_service/hacks.py), "
+        self.hacks = Counter("flywheel_verifier_hacks", "Reward-hacking detector hits (verifier_service/hacks/), "
                              "by detector.", ["detector"], registry=r)
         self.gates = Counter("flywheel_verifier_gates", "Rewards zeroed by a recipe gate (a gate component "
                              "below 1), by gate.", ["gate"], registry=r)

@@ -39,17 +39,19 @@ from opentelemetry import propagate
 from shared.auth import token_from_run_dir
 from shared.client import SANDBOX_RETRY_S, ApiStatusError, ApiUnreachable, AsyncApiClient, RetryPolicy, Token
 from shared.verifier_specs import (
-    ExactSpec, GeometrySpec, JsonFieldsSpec, MathSpec, NumericSpec, ReasoningGymSpec, Recipe, RegexSpec,
-    UnitTestsSpec,
+    EnvironmentSpec, ExactSpec, GeometrySpec, JsonFieldsSpec, MathSpec, NumericSpec, ReasoningGymSpec, Recipe,
+    RegexSpec, UnitTestsSpec,
 )
 from shared.schemas import Reward
 from verifier_service import deterministic as det
 from verifier_service.config import VerifierConfig
 from verifier_service.deterministic import CheckResult, infra, ok_if
+from verifier_service.environments import EnvironmentScorer
 from verifier_service.extract import (
     clip, extract_code, math_candidates, normalise_math_text, stated_answer, strip_reasoning,
 )
-from verifier_service.hacks import detect_hacks, gold_shape, zeroing_hacks
+from verifier_service.hacks import detect_hacks, zeroing_hacks
+from verifier_service.hacks.gold import gold_shape
 from verifier_service.judge import JudgeClient
 from verifier_service.rules import run_rules
 
@@ -267,6 +269,7 @@ class Scorer:
         self._token = token if token is not None else (lambda: token_from_run_dir(None))
         self._http: AsyncApiClient | None = None
         self.judge = JudgeClient(cfg.judge)
+        self.environments = EnvironmentScorer(cfg)
 
     def recipe_for(self, spec: Any, domain: str | None) -> Recipe:
         """The task's own recipe, else the service's recipe for ``domain``, else the default recipe (safe: the
@@ -279,20 +282,23 @@ class Scorer:
 
     async def score(self, spec: Any, completion: str, *, finish_reason: str = "stop",
                     prompt: list[dict[str, str]] | None = None, tools: list[str] | tuple = (),
-                    domain: str | None = None, cost: dict[str, float] | None = None) -> Reward:
+                    domain: str | None = None, cost: dict[str, float] | None = None,
+                    rollout: dict[str, Any] | None = None) -> Reward:
         """Score ``completion`` against ``spec`` (any ``shared.verifier_specs.VerifierSpec``) under its recipe.
 
         ``finish_reason`` feeds the truncation rule, ``prompt`` the judge, ``tools`` the tool-protocol
         rule (the task's allowed tools), ``domain`` picks the service's per-domain recipe. ``cost``, when
         given, is added to: ``sandbox_seconds`` (wall seconds of the unit-test requests to the sandbox)
         and ``judge_calls`` (requests sent to the judge), each key present once such a call was made.
+        ``rollout`` is what an environment's rewards see of a multi-turn rollout
+        (:func:`verifier_service.main.rollout_context`).
 
         Raises:
             asyncio.CancelledError: when cancelled (nothing else).
         """
         try:
             recipe = self.recipe_for(spec, domain)
-            correctness = await self.check(spec, completion, cost=cost)
+            correctness = await self.check(spec, completion, cost=cost, prompt=prompt, rollout=rollout)
             rules = run_rules(recipe.rules, completion, finish_reason, list(tools)) if recipe.rules else {}
             hacks = detect_hacks(completion, isinstance(spec, CODE_KINDS), gold_shape(spec))
             judge = None
@@ -311,11 +317,13 @@ class Scorer:
             log.exception("scorer failed on %s", getattr(spec, "kind", spec))
             return Reward(total=0.0, infra_error=True, details={"reason": f"scorer crashed: {type(e).__name__}: {e}"})
 
-    async def check(self, spec: Any, completion: str, cost: dict[str, float] | None = None) -> CheckResult:
+    async def check(self, spec: Any, completion: str, cost: dict[str, float] | None = None,
+                    prompt: list[dict[str, str]] | None = None, rollout: dict[str, Any] | None = None) -> CheckResult:
         """The deterministic layer (``correctness``) for ``spec``.
 
         In-process kinds run inline when cheap (exact, numeric, json_fields, geometry, a cached
-        reasoning-gym dataset) and in a worker thread bounded by ``check_timeout_s`` otherwise.
+        reasoning-gym dataset) and in a worker thread bounded by ``check_timeout_s`` otherwise; a user
+        environment's rubric runs in that environment's process pool (``prompt`` is what its rewards see).
         ``cost`` as in :meth:`score` (``unit_tests`` adds its ``sandbox_seconds``).
         """
         if isinstance(spec, ExactSpec):
@@ -332,6 +340,8 @@ class Scorer:
             return await self.score_unit_tests(spec, completion, cost=cost)
         if isinstance(spec, RegexSpec):
             return await self._in_thread(det.score_regex, spec, completion, self.cfg.regex_timeout_s)
+        if isinstance(spec, EnvironmentSpec):
+            return await self.environments.score(spec, completion, prompt, rollout)
         if isinstance(spec, ReasoningGymSpec):
             if spec.dataset in SLOW_REASONING_GYM:
                 return await self._in_pool(_reasoning_gym_worker, spec.model_dump_json(), completion)
@@ -526,8 +536,10 @@ class Scorer:
     # ------------------------------------------------------------ lifecycle
 
     async def close(self) -> None:
-        """Close the HTTP clients and stop the math pool (killing a worker stuck in sympy)."""
+        """Close the HTTP clients and stop the math pool (killing a worker stuck in sympy) and the environments'
+        reward pools."""
         await self.judge.close()
+        await self.environments.close()
         if self._http is not None:
             await self._http.aclose()
             self._http = None

@@ -23,8 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from scheduler_service.deps import StateDep
 from scheduler_service.models import Duplicate, TaskBatchCreate, TaskCreate, TaskIds, TaskPublic
-from scheduler_service.registry import TaskConflictError
 from scheduler_service.state import SchedulerState
+from scheduler_service.task_store import TaskConflictError
 from shared.auth import AUTH, AUTH_RESPONSES
 from shared.http import BodyError, CheckedRoute, parse_json_body
 from shared.schemas import Task

@@ -1,4 +1,4 @@
-"""Chaos through ``flywheel run``: kill -9 the scheduler, the broker and services during a toy run (issue 19).
+"""Chaos through ``flywheel run``: kill -9 the scheduler, the broker and services during a toy run.
 
 Both tests drive ``benchmarks/chaos.py``'s harness (:func:`benchmarks.chaos.run_chaos`; its docstring says
 how lost tasks, doubly-trained samples and recovery times are measured). The short one is in the default

@@ -237,7 +237,7 @@ def test_a_run_that_drops_groups_still_reaches_max_steps(tiny, tmp_path):
               # a third of the domain's tasks fail by design: the drift monitor would (rightly) open its breaker
               # at an infra error rate of 0.5, and this test is about the drops' accounting
               "--set", "monitor.enabled=false",
-              # the scheduler now refuses such prompts at the door (issue 19); claim a long context there so
+              # the scheduler now refuses such prompts at the door; claim a long context there so
               # they get through and fail in the rollout, the path this test is about
               "--set", "scheduler.context_tokens=100000",
               "--submit", str(long_tasks), "--report", str(report), "--timeout", "300", cwd=tmp_path)

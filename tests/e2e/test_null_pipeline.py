@@ -1,4 +1,4 @@
-"""Issue 20: the pipeline without a model (``rollout.engine: null``, ``trainer.null_step: true``) trains every
+"""The pipeline without a model (``rollout.engine: null``, ``trainer.null_step: true``) trains every
 trajectory exactly once, with one and with two replicas of rollout and verifier.
 
 Real processes (``python -m <service>``) on their own embedded broker, driven by

@@ -1,4 +1,4 @@
-"""`flywheel run` survives a kill -9 of the scheduler mid-run (issue 19, item 1): the CLI's polls retry
+"""`flywheel run` survives a kill -9 of the scheduler mid-run: the CLI's polls retry
 while the supervisor restarts the scheduler, and the job reaches ``max_steps`` and writes its report.
 Five service processes, the embedded broker, a tiny model, the toy domain (~40 s)."""
 
@@ -90,7 +90,7 @@ def test_flywheel_run_survives_a_kill_9_of_the_scheduler(tiny, tmp_path):
     rep = json.loads(report.read_text())
     assert rep["steps"] == STEPS and [h["step"] for h in rep["history"]] == list(range(1, STEPS + 1)), rep["steps"]
     assert rep["eval"]["after"]["policy_version"] == STEPS
-    # issue 20: peak RSS per process in the report (VmHWM, bytes), the restarted scheduler included
+    # peak RSS per process in the report (VmHWM, bytes), the restarted scheduler included
     rss = rep["peak_rss_bytes"]
     assert set(rss) == {"broker", "scheduler", "rollout", "verifier", "trainer", "sandbox"}, rss
     assert all(2**20 < b < 2**35 for b in rss.values()), rss

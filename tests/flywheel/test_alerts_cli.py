@@ -13,7 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from flywheel.broker import free_port
-from flywheel.cli import app, console
+from flywheel.cli import app
+from flywheel.cli.common import console
 from flywheel.config import FlywheelConfig
 from scheduler_service.api import create_app
 from scheduler_service.registry import Registry

@@ -8,7 +8,9 @@ import time
 from pathlib import Path
 
 from flywheel.broker import free_port
-from flywheel.launcher import TORCH_SERVICES, LocalSystem, RestartPolicy, allocator_env
+from flywheel.launcher import TORCH_SERVICES, LocalSystem
+from flywheel.service_env import allocator_env
+from flywheel.supervision import RestartPolicy
 
 MAPS = "import time; time.sleep(60)"
 

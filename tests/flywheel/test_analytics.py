@@ -1,4 +1,4 @@
-"""``flywheel analytics`` (flywheel/analytics.py) on the session broker: records on per-test topics into a
+"""``flywheel analytics`` (flywheel/analytics/) on the session broker: records on per-test topics into a
 DuckDB file; re-reads insert nothing; a crash (in a batch's transaction, or SIGKILL of the process) loses
 and duplicates nothing; malformed records go to ``rejected``; a replaced log is refused."""
 
@@ -15,8 +15,10 @@ import duckdb
 import orjson
 import pytest
 
-from flywheel import analytics
-from flywheel.analytics import TABLES, LogChangedError, Store, ingest
+from flywheel.analytics.ingest import IngestReport, LogChangedError, ingest
+from flywheel.analytics.queries import QUESTIONS, query
+from flywheel.analytics.store import Store
+from flywheel.analytics.tables import TABLES
 from shared.kafka import ensure_topics, make_producer
 from shared.schemas import Alert, Control, GroupDropped, Metrics, RewardEvent, Task
 
@@ -58,7 +60,7 @@ def send_all(cfg, items: list[tuple[str, bytes, str]]) -> None:
     asyncio.run(go())
 
 
-def run_ingest(store: Store, cfg, names, **kw) -> analytics.IngestReport:
+def run_ingest(store: Store, cfg, names, **kw) -> IngestReport:
     try:
         return asyncio.run(ingest(store, cfg, topic_names=names, quiet_s=0.5, **kw))
     finally:
@@ -102,8 +104,8 @@ def test_ingest_types_every_record_and_a_rerun_adds_nothing(kafka_cfg, names, tm
         (1, 0.5), (2, 1.0)]
     assert rows(db, "SELECT signal, window_size, key FROM alerts") == [("breaker", 5, "toy/breaker")]
     assert rows(db, "SELECT verifier_kind, metadata->>'i' FROM tasks ORDER BY task_id LIMIT 1") == [("regex", "0")]
-    for q in analytics.QUESTIONS.values():  # every question runs on these tables and finds rows
-        assert analytics.query(db, q.sql)[1], q.title
+    for q in QUESTIONS.values():  # every question runs on these tables and finds rows
+        assert query(db, q.sql)[1], q.title
 
     again = run_ingest(Store(db), kafka_cfg, names)
     assert sum(again.added.values()) == 0  # it re-read only the last stored record of each partition:
@@ -204,10 +206,11 @@ def test_a_run_without_follow_ends_while_records_keep_coming(kafka_cfg, names, t
 
 CHILD = """
 import asyncio, sys, orjson
-from flywheel import analytics
+from flywheel.analytics.ingest import ingest
+from flywheel.analytics.store import Store
 from shared.config import KafkaConfig
-store = analytics.Store(sys.argv[2])
-asyncio.run(analytics.ingest(store, KafkaConfig(bootstrap_servers=sys.argv[1]), batch_records=10, quiet_s=0.5,
+store = Store(sys.argv[2])
+asyncio.run(ingest(store, KafkaConfig(bootstrap_servers=sys.argv[1]), batch_records=10, quiet_s=0.5,
                              topic_names=orjson.loads(sys.argv[3]), on_batch=lambda r: print(r.batches, flush=True)))
 print("done", flush=True)
 """

@@ -10,7 +10,11 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from flywheel import budget as B
+from flywheel.budget.costs import Cost, history_costs
+from flywheel.budget.estimate import budget_report, estimate
+from flywheel.budget.pilot import Pilot, _summarise, all_tasks, greedy_target
+from flywheel.budget.trajectories import (Counts, domain_shares, eval_round_versions, issued_training_groups,
+                                          plan_counts, unsolved_probability)
 from flywheel.cli import app
 from flywheel.config import load_config
 
@@ -41,25 +45,25 @@ def _tasks(domain: str, train: int, evals: int, k: int = 8) -> list[dict]:
 
 
 def test_eval_rounds_are_round_zero_each_eval_every_multiple_and_the_final_one():
-    assert B.eval_round_versions(30, 5, True, True) == [0, 5, 10, 15, 20, 25, 30]  # arithmetic.yaml: 7 rounds
-    assert B.eval_round_versions(30, 7, True, True) == [0, 7, 14, 21, 28, 30]  # the final round of `flywheel run`
-    assert B.eval_round_versions(30, 0, False, True) == [30]
-    assert B.eval_round_versions(30, 5, True, False) == []  # no held-out tasks: no rounds
+    assert eval_round_versions(30, 5, True, True) == [0, 5, 10, 15, 20, 25, 30]  # arithmetic.yaml: 7 rounds
+    assert eval_round_versions(30, 7, True, True) == [0, 7, 14, 21, 28, 30]  # the final round of `flywheel run`
+    assert eval_round_versions(30, 0, False, True) == [30]
+    assert eval_round_versions(30, 5, True, False) == []  # no held-out tasks: no rounds
 
 
 def test_issued_groups_round_the_oversampled_batch_up():
-    assert B.issued_training_groups(4, 1.0, 30) == 120
-    assert B.issued_training_groups(4, 1.5, 30) == 180
-    assert B.issued_training_groups(3, 1.1, 10) == 40  # ⌈3.3⌉ = 4 per step
+    assert issued_training_groups(4, 1.0, 30) == 120
+    assert issued_training_groups(4, 1.5, 30) == 180
+    assert issued_training_groups(3, 1.1, 10) == 40  # ⌈3.3⌉ = 4 per step
 
 
 def test_unsolved_probability_is_unbiased_from_enough_samples_and_plug_in_below():
-    assert B.unsolved_probability(0, 8, 8) == 1.0
-    assert B.unsolved_probability(1, 8, 8) == 0.0
-    assert B.unsolved_probability(2, 16, 8) == pytest.approx(3003 / 12870)  # C(14, 8) / C(16, 8)
-    assert B.unsolved_probability(1, 4, 8) == pytest.approx(0.75 ** 8)
+    assert unsolved_probability(0, 8, 8) == 1.0
+    assert unsolved_probability(1, 8, 8) == 0.0
+    assert unsolved_probability(2, 16, 8) == pytest.approx(3003 / 12870)  # C(14, 8) / C(16, 8)
+    assert unsolved_probability(1, 4, 8) == pytest.approx(0.75 ** 8)
     with pytest.raises(ValueError):
-        B.unsolved_probability(3, 2, 8)
+        unsolved_probability(3, 2, 8)
 
 
 def _row(task, passed, tokens, logprob=-30.0, resample=False, split="train"):
@@ -74,43 +78,43 @@ def test_the_pilot_summary_counts_never_solved_tasks_through_their_re_sample_and
              + [_row("t2", False, 24) for _ in range(8)] + [_row("t2", i == 0, 20, resample=True) for i in range(24)]
              + [_row("t3", False, 24) for _ in range(8)] + [_row("t3", False, 22, resample=True) for _ in range(24)]
              + [_row("e1", False, 24, split="eval")])
-    pilot = B.Pilot()
-    B._summarise(pilot, rows, cfg, None)
+    pilot = Pilot()
+    _summarise(pilot, rows, cfg, None)
     assert pilot.unsolved["a"] == pytest.approx(2 / 3)  # t2 and t3 failed their 8 samples
     assert pilot.never_solved["a"] == pytest.approx(1 / 3)  # t3 failed its re-sample of 24 too
     assert pilot.train["a"].tokens == pytest.approx((2 * 8 + 24 + 5 * 20 + 16 * 24) / 24)  # the K-sample groups only
     assert pilot.resample["a"].tokens == pytest.approx(21.0) and pilot.resample["a"].source == "pilot re-samples"
     assert pilot.eval["a"].tokens == 24
     assert pilot.greedy_tokens["a"] == 8  # t1's most probable passing answer (t2's pass is in a re-sample)
-    assert B.greedy_target([_row("x", True, 5, -9.0), _row("x", True, 9, -3.0), _row("y", True, 3, -1.0),
+    assert greedy_target([_row("x", True, 5, -9.0), _row("x", True, 9, -3.0), _row("y", True, 3, -1.0),
                             _row("y", False, 1, 0.0)]) == (9 + 3) / 2
 
 
 def test_arithmetic_trajectories_match_the_hand_count():
     cfg = load_config(ARITH)  # 30 steps x 4 groups x K=8, re-samples of 24, eval 64 tasks every 5 versions
-    counts = B.plan_counts(cfg, _tasks("basic_arithmetic", 128, 64), {"basic_arithmetic": 0.25})
+    counts = plan_counts(cfg, _tasks("basic_arithmetic", 128, 64), {"basic_arithmetic": 0.25})
     c = counts["basic_arithmetic"]
     assert (c.train_groups, c.train_samples) == (120, 960)
     assert (c.resample_groups, c.resample_trajectories) == (30, 720)  # 120 x 0.25 groups of 24
     assert (c.eval_rounds, c.eval_trajectories) == (7, 448)
-    over = B.plan_counts(load_config(ARITH, budget={"oversample": 1.5, "resample_unsolved": 8}),
+    over = plan_counts(load_config(ARITH, budget={"oversample": 1.5, "resample_unsolved": 8}),
                          _tasks("basic_arithmetic", 128, 64), {"basic_arithmetic": 0.25})["basic_arithmetic"]
     assert over.train_samples == 180 * 8 and over.resample_trajectories == 0  # a re-sample must be larger than K
 
 
 def test_domains_share_the_groups_by_weight_and_paused_ones_get_none():
-    shares = B.domain_shares(["a", "b", "c"], {"a": SimpleNamespace(weight=3.0, state="active"),
+    shares = domain_shares(["a", "b", "c"], {"a": SimpleNamespace(weight=3.0, state="active"),
                                                "c": SimpleNamespace(weight=5.0, state="paused")})
     assert shares == {"a": 0.75, "b": 0.25, "c": 0.0}
     with pytest.raises(ValueError, match="weight 0"):
-        B.domain_shares(["a"], {"a": SimpleNamespace(weight=0.0, state="active")})
+        domain_shares(["a"], {"a": SimpleNamespace(weight=0.0, state="active")})
 
 
 def test_a_generator_domain_gets_its_weighted_share_and_its_held_out_tasks():
     cfg = load_config(TOY, domains={"geo": {"generator": "flywheel.domains.geometry", "eval_size": 3, "weight": 3}})
-    tasks = B.all_tasks(cfg, 2)  # toy's 64 + 16, and the generator's 2 pilot tasks + 3 held-out ones
+    tasks = all_tasks(cfg, 2)  # toy's 64 + 16, and the generator's 2 pilot tasks + 3 held-out ones
     assert sum(t["domain"] == "geo" for t in tasks) == 5
-    counts = B.plan_counts(cfg, tasks)
+    counts = plan_counts(cfg, tasks)
     assert counts["geo"].train_groups == 75 and counts["toy_prefix"].train_groups == 25  # 100 groups, weights 3 : 1
     assert (counts["geo"].eval_trajectories, counts["toy_prefix"].eval_trajectories) == (3 * 2, 16 * 2)
 
@@ -121,9 +125,9 @@ def test_a_generator_domain_gets_its_weighted_share_and_its_held_out_tasks():
 ])
 def test_the_pilot_estimate_assumes_even_paced_learning_towards_the_rewarded_lengths(never, resampled, resample_tokens):
     cfg = load_config(ARITH)  # K = 8, re-samples of 24, 120 groups, eval rounds at 0, 5, ..., 30 (mean progress 1/2)
-    pilot = B.Pilot(train={"a": B.Cost(tokens=20.0, pass_tokens=10.0)}, eval={"a": B.Cost(tokens=24.0)},
-                    resample={"a": B.Cost(tokens=22.0)}, unsolved={"a": 0.45}, never_solved={"a": never})
-    rep = B.budget_report(cfg, _tasks("a", 128, 64), pilot)
+    pilot = Pilot(train={"a": Cost(tokens=20.0, pass_tokens=10.0)}, eval={"a": Cost(tokens=24.0)},
+                    resample={"a": Cost(tokens=22.0)}, unsolved={"a": 0.45}, never_solved={"a": never})
+    rep = budget_report(cfg, _tasks("a", 128, 64), pilot)
     assert rep["range"]["no_learning"]["generated_tokens"] == 960 * 20 + 120 * 0.45 * 24 * 22 + 448 * 24
     assert rep["range"]["learned"]["generated_tokens"] == (960 + 448) * 10  # no re-samples, rewarded lengths
     # even pace: training at 15 tokens (halfway from 20 to 10), eval at 17 (halfway from 24)
@@ -133,11 +137,11 @@ def test_the_pilot_estimate_assumes_even_paced_learning_towards_the_rewarded_len
 
 
 def test_the_estimate_is_trajectories_times_rounds_times_tokens_per_round():
-    counts = {"d": B.Counts(train_groups=10, samples_per_task=4, resample_groups=2, resample_samples=8, eval_tasks=5,
+    counts = {"d": Counts(train_groups=10, samples_per_task=4, resample_groups=2, resample_samples=8, eval_tasks=5,
                             eval_rounds=3)}
-    train = {"d": B.Cost(tokens=30.0, rounds=3.0, tool_rounds=2.0, sandbox_seconds=0.5, judge_calls=1.0)}
-    resample = {"d": B.Cost(tokens=60.0, rounds=3.0)}
-    est = B.estimate(counts, train, {"d": B.Cost(tokens=12.0)}, resample)
+    train = {"d": Cost(tokens=30.0, rounds=3.0, tool_rounds=2.0, sandbox_seconds=0.5, judge_calls=1.0)}
+    resample = {"d": Cost(tokens=60.0, rounds=3.0)}
+    est = estimate(counts, train, {"d": Cost(tokens=12.0)}, resample)
     tr, ev = est["rows"]
     assert tr["trajectories"] == 56 and tr["generated_tokens"] == 40 * 3 * 10 + 16 * 3 * 20
     assert tr["tool_rounds"] == 40 * 2 + 0 and tr["judge_calls"] == 40
@@ -159,14 +163,14 @@ def test_history_takes_the_reports_cost_or_else_the_trained_samples(tmp_path):
     cost = {"train": {"samples": 100, "generated_tokens": 1500, "tool_rounds": 0, "tool_seconds": 0.0,
                       "sandbox_seconds": 0.0, "judge_calls": 0},
             "eval": {"samples": 10, "generated_tokens": 50}}
-    h = B.history_costs(_report(tmp_path, cost=cost))
+    h = history_costs(_report(tmp_path, cost=cost))
     assert h["costs"]["train"].tokens == 15.0 and h["costs"]["eval"].tokens == 5.0 and h["source"] == "history:cost"
     assert h["unsolved"] == pytest.approx(2 / 8)
-    old = B.history_costs(_report(tmp_path))  # a report from before `cost`: the trainer's per-step history
+    old = history_costs(_report(tmp_path))  # a report from before `cost`: the trainer's per-step history
     assert old["costs"]["train"].tokens == 15.0 and "eval" not in old["costs"]
     (tmp_path / "bad.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="not a flywheel run report"):
-        B.history_costs(tmp_path / "bad.json")
+        history_costs(tmp_path / "bad.json")
 
 
 def test_budget_from_history_prints_json_with_its_source(tmp_path):

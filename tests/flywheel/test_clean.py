@@ -36,7 +36,7 @@ def _finished_run(path, versions=3, keep=2, old_layout=False):
     for v in range(1, versions + 1):
         state = {"step": v, "version": v, "done_groups": [], "optimizer": {"m": torch.ones(N), "v": torch.ones(N)}}
         store.save({"w": torch.full((N,), float(v))}, "m", v, v, state, [f"g{v}"])
-    if old_layout:  # written before issue 19: the optimizer inside trainer_state.pt, in every version
+    if old_layout:  # the older layout: the optimizer inside trainer_state.pt, in every version
         for d in store.root.glob("v*"):
             st = {"step": 1, "optimizer": {"m": torch.ones(4 * N), "v": torch.ones(4 * N)}}
             torch.save(st, d / "trainer_state.pt")

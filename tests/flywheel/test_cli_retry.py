@@ -1,5 +1,5 @@
-"""The job's client of the scheduler (``flywheel.cli.SchedulerApi``) against a real scheduler app (REST only, no
-Kafka) that starts late: it supervises while it retries, says once that the scheduler is unreachable and when it
+"""The job's client of the scheduler (``flywheel.cli.client.SchedulerApi``) against a real scheduler app (REST
+only, no Kafka) that starts late: it supervises while it retries, says once that the scheduler is unreachable and when it
 answers again, gives up at its deadline, and lets the supervisor's give-up through."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from flywheel.broker import free_port
-from flywheel.cli import SchedulerApi, console
+from flywheel.cli.client import SchedulerApi
+from flywheel.cli.common import console
 from flywheel.config import FlywheelConfig
 from scheduler_service.api import create_app
 from scheduler_service.registry import Registry

@@ -107,7 +107,7 @@ def test_a_child_whose_parent_is_already_gone_ends_at_once():
 def test_down_signals_only_processes_that_are_still_the_systems():
     """``flywheel down`` after the supervisor died: a recorded pid is signalled only while its command line
     still names the process (a pid reused by another program is left alone)."""
-    from flywheel.cli import _still
+    from flywheel.cli.system import _still
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)  # trainer_service"])
     try:

@@ -17,9 +17,10 @@ from flywheel.domains import DOMAINS, get
 from flywheel.domains import reasoning_gym as rg_domain
 from shared.schemas import Task
 from shared.verifier_specs import Recipe
-from verifier_service import hacks
 from verifier_service.config import VerifierConfig
 from verifier_service.extract import extract_answer_tag
+from verifier_service.hacks.answers import _answer_parts, _restates
+from verifier_service.hacks.gold import gold_shape
 from verifier_service.scorers import Scorer
 
 N = 50
@@ -34,13 +35,13 @@ UNSTATED = {"humaneval", "humaneval_repair", "toy"}
 
 def _restates_gold(spec, corrupt: str, gold: str) -> bool:
     """Whether the corruption's or the gold's answer states nothing, or the corruption only parts of the
-    gold (then stating it before the gold is not hedging: ``hacks.multiple_answers``; never so for a
-    structured answer)."""
-    shape = hacks.gold_shape(spec)
+    gold (then stating it before the gold is not hedging: ``verifier_service.hacks.hedging.multiple_answers``;
+    never so for a structured answer)."""
+    shape = gold_shape(spec)
     if shape is not None and shape.whole:
         return False
-    c, g = (hacks._answer_parts(tag if (tag := extract_answer_tag(x)) is not None else x)[1] for x in (corrupt, gold))
-    return not c or not g or hacks._restates(c, g)  # an empty gold (ab has some) states no answer to hedge
+    c, g = (_answer_parts(tag if (tag := extract_answer_tag(x)) is not None else x)[1] for x in (corrupt, gold))
+    return not c or not g or _restates(c, g)  # an empty gold (ab has some) states no answer to hedge
 
 
 async def _gold_and_corrupt(scorer: Scorer, domain: str, tasks: list[dict]) -> None:
@@ -97,7 +98,12 @@ async def test_humaneval_canonical_solutions_pass_and_corruptions_fail(sandbox_u
         await scorer.close()
 
 
-_FAST = [n for n in rg_domain.included() if n not in rg_domain.SLOW]
+SLOW_TO_CHECK = {"knight_swap": 35, "futoshiki": 17, "zebra_puzzles": 12, "sudoku": 4, "tower_of_hanoi": 2.5,
+                 "polynomial_equations": 2.3, "word_ladder": 2, "arc_agi": 1.9, "countdown": 1.8, "rearc": 1.7}
+"""Generators whose gold-and-corruption check takes seconds (roughly, on a 2-core AVX2 Zen 3): they run in the slow
+tier so the default one stays within its ten minutes."""
+_FAST = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TO_CHECK else n
+         for n in rg_domain.included() if n not in rg_domain.SLOW]
 
 
 @pytest.mark.parametrize("dataset", _FAST)

@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from flywheel.broker import EmbeddedBroker, free_port
-from flywheel.launcher import LocalSystem, RestartPolicy, allowed_env, exit_reason
+from flywheel.launcher import LocalSystem
+from flywheel.service_env import allowed_env
+from flywheel.supervision import RestartPolicy, exit_reason
 from shared import topics
 
 

@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from flywheel.config import load_config
-from flywheel.launcher import SERVICES, LocalSystem, RestartPolicy, cpu_seconds
+from flywheel.launcher import SERVICES, LocalSystem
+from flywheel.supervision import RestartPolicy, cpu_seconds
 from flywheel.tasks import make_tasks
 from shared.auth import auth_headers
 from shared.model import build_tiny_model
@@ -30,7 +31,7 @@ SECRET = "AWS_SECRET_ACCESS_KEY"
 JUDGE_KEY = "OPENAI_API_KEY"
 """``verifier.judge.api_key_env``'s default: the verifier, and only it, gets it."""
 BROKER_STEP_BOUND_S = 120.0
-"""Generous bound on broker kill -> next trainer step in this test (issue 19's target is a median <= 30 s)."""
+"""Generous bound on broker kill -> next trainer step in this test (the target is a median <= 30 s)."""
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +119,7 @@ def test_the_sandbox_runs_code_under_the_launchers_umask(system):
 
 
 def test_the_launcher_created_every_topic_with_its_partition_count_before_the_services(system):
-    """Issue 20: flywheel.trajectories once came up with the broker's default 4 partitions instead of 8 (a
+    """flywheel.trajectories once came up with the broker's default 4 partitions instead of 8 (a
     client touched it before anyone created it); the launcher now creates every topic before any service."""
     import asyncio
 

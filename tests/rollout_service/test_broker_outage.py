@@ -1,4 +1,4 @@
-"""Issue 19 item 3: a rollout process outlives a broker kill -9 and an empty broker on the same port, and
+"""A rollout process outlives a broker kill -9 and an empty broker on the same port, and
 still follows the trainer's new weight versions.
 
 A real rollout process (``python -m rollout_service``, the tiny model) on its own embedded broker has read
@@ -25,9 +25,10 @@ import torch
 
 from flywheel.broker import EmbeddedBroker, free_port, stop_pid
 from shared import kafka, topics
-from shared.checkpoint import CheckpointStore, snapshot_weights
+from shared.checkpoint import CheckpointStore
 from shared.config import KafkaConfig
 from shared.model import build_tiny_model, load_model
+from shared.model_weights import snapshot_weights
 from shared.schemas import RolloutRequest, SamplingParams, Task, Trajectory
 from tests.verifier_service.test_broker_outage import _topic_partitions
 

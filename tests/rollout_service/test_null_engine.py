@@ -1,4 +1,4 @@
-"""Issue 20: the null engine (``rollout.engine: null``): completions without a model at a set token rate."""
+"""The null engine (``rollout.engine: null``): completions without a model at a set token rate."""
 
 from __future__ import annotations
 

@@ -9,9 +9,10 @@ from flywheel.broker import EmbeddedBroker, free_port
 from rollout_service.config import RolloutSettings
 from rollout_service.main import run
 from shared import kafka, topics
-from shared.checkpoint import CheckpointStore, snapshot_weights
+from shared.checkpoint import CheckpointStore
 from shared.metrics import scrape, total
 from shared.model import build_tiny_model, load_model
+from shared.model_weights import snapshot_weights
 from shared.schemas import DeadLetter, RolloutRequest, SamplingParams, Task, Trajectory
 from tests.support.taught import teach_tiny_model
 
@@ -181,6 +182,7 @@ async def _arrivals(cfg, want: int, timeout_s: float = 120.0, settle_s: float = 
 
 
 @pytest.mark.kafka
+@pytest.mark.e2e  # two rollout services and a broker, 17 s
 async def test_a_replica_serves_only_its_pool(tmp_path):
     """``rollout.pool``: a replica consumes its pool's topic only (creating it at start); a request on a
     pool topic waits for that pool's replicas, one on the default topic for the default pool's."""

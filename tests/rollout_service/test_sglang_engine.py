@@ -18,12 +18,15 @@ import torch
 from rollout_service.engine import GenerationRequest
 from rollout_service.sglang_engine import SGLangEngine
 from rollout_service.torch_engine import TorchEngine
+from shared.model_weights import snapshot_weights
 from tests.support.torch_sglang_server import build_app
 from shared.model import build_tiny_model, encode_chat, load_model, load_tokenizer
-from shared.checkpoint import manifest, snapshot_weights
+from shared.checkpoint import manifest
 from shared.schemas import SamplingParams, WeightUpdate
 from shared.weight_sync import WeightReceiver
 from tests.conftest import free_port
+
+pytestmark = pytest.mark.e2e  # stand-in servers and trainer processes per test, a minute in all: the e2e tier
 
 
 @pytest.fixture(params=[True])
@@ -126,7 +129,7 @@ def test_an_update_during_generation_continues_it_under_the_new_version(server, 
 TRAINER = textwrap.dedent("""
     import json, os, sys, time
     from pathlib import Path
-    from shared.checkpoint import snapshot_weights
+    from shared.model_weights import snapshot_weights
     from shared.model import load_model
     from shared.weight_sync import WeightBroadcaster
     port, out, receivers = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3].split(",")

@@ -1,4 +1,4 @@
-"""Issue 19 item 4 on the rollout side: a request whose trajectories cannot be produced is dead-lettered,
+"""On the rollout side: a request whose trajectories cannot be produced is dead-lettered,
 answered with small error trajectories (so its group fails at once downstream), committed past, and the
 service goes on with the next request.
 

@@ -178,7 +178,7 @@ TOKEN = "sandbox-test-token-0123456789abcdef"
 
 
 def test_execute_needs_the_token_when_the_app_has_one():
-    """Issue 19, item 8: any local process could run code in the sandbox. With a token (what
+    """Any local process could run code in the sandbox. With a token (what
     ``sandbox_service.main`` always passes), ``POST /v1/execute`` answers 401 without it; reads stay open."""
     from shared.auth import SCHEME_NAME, auth_headers
 
@@ -233,7 +233,7 @@ def test_chunked_body_over_the_limit_is_413_and_bad_json_400_naming_where(client
 
 
 def test_a_huge_invalid_body_is_not_echoed(client):
-    """Issue 19, item 5: a 64 MB invalid body came back whole in the 422; now an excerpt of 200 characters."""
+    """A 64 MB invalid body came back whole in the 422; now an excerpt of 200 characters."""
     r = client.post("/v1/execute", json={"code": 7, "stdin": ["x" * 1_000_000]})
     assert r.status_code == 422 and len(r.content) < 3000, len(r.content)
     assert "characters)" in r.text

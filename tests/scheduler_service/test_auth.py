@@ -1,4 +1,4 @@
-"""Item 8 (issue 19): any local process could submit tasks, create eval rounds, resume a paused domain.
+"""Any local process could submit tasks, create eval rounds, resume a paused domain.
 Every mutating route of the scheduler now needs the bearer token; reads stay open."""
 
 from __future__ import annotations

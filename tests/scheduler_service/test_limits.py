@@ -1,4 +1,4 @@
-"""Limits at the scheduler's door (issue 19, items 5-7): body size, per-field sizes and numeric bounds,
+"""Limits at the scheduler's door: body size, per-field sizes and numeric bounds,
 the largest record against the broker's limit, prompts against the context, validation off the event
 loop and bounded in time, short 4xx bodies that name the field, never a 500 on client input."""
 

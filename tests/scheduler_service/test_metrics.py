@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from scheduler_service.guard import DriftGuard
 from scheduler_service.metrics import SchedulerMetrics
+from scheduler_service.metrics_feed import count_issued, count_reward, watch_state
 from scheduler_service.registry import Registry
 from shared.metrics import CONTENT_TYPE_PLAIN, OTHER, families, parse, render, total
 from shared.schemas import RewardEvent, Task
@@ -24,12 +25,12 @@ async def test_metrics_count_groups_samples_alerts_and_read_breakers_and_spend(m
         assert (await client.post("/v1/tasks", json={"tasks": body})).status_code == 202
         reg, m = state.registry, state.metrics
         groups = reg.issue_train_groups(["t-toy", "t-code"], deadline_s=60)
-        m.issued(groups)
+        count_issued(m, groups)
         reg.raise_policy_version(2)
         for g in groups:
             for i in range(g.n):
                 ev = _ev(g, i, passed=(i == 0 and g.domain == "toy"), infra=(g.domain == "code" and i == 1))
-                m.reward(ev, reg.record_reward(ev), reg.policy_version)
+                count_reward(m, ev, reg.record_reward(ev), reg.policy_version)
         assert (await client.post("/v1/domains/toy/breaker/open")).status_code == 200
 
         r = await client.get("/metrics")
@@ -70,12 +71,12 @@ def test_more_domains_than_the_cap_fold_into_other(tmp_path, make_config):
                       verifier={"kind": "exact", "answer": "a"}, samples_per_task=2) for i in range(300)]
         reg.register_tasks(tasks)
         groups = reg.issue_train_groups([t.task_id for t in tasks], deadline_s=60)
-        m.issued(groups)
+        count_issued(m, groups)
         ev = _ev(groups[0], 0, passed=True)
-        m.reward(ev, reg.record_reward(ev), 0)
+        count_reward(m, ev, reg.record_reward(ev), 0)
 
         guard = DriftGuard(make_config(), reg, None, metrics=m)
-        m.watch(reg, lambda: guard)
+        watch_state(m, reg, lambda: guard)
         s = parse(render(m.registry)[0].decode())
         issued = {lab["domain"] for lab, _ in s["flywheel_scheduler_groups_issued_total"]}
         assert len(issued) == 128 + 1 and OTHER in issued

@@ -12,7 +12,8 @@ import random
 import pytest
 
 from scheduler_service.config import MonitorConfig
-from scheduler_service.monitor import DriftMonitor, wasserstein1
+from scheduler_service.drift_signals import wasserstein1
+from scheduler_service.monitor import DriftMonitor
 from shared.schemas import RewardEvent
 
 K = 8
@@ -256,7 +257,7 @@ def test_a_resample_of_an_unsolved_group_does_not_collapse_the_pass_rate():
 def test_a_pass_rate_change_must_be_significant_over_groups():
     """Windows of whole groups passing all or nothing (heterogeneous tasks): a 0.75 drop from 4 groups is
     within what task mix gives (z < 3); the same drop over consistently passing groups is not."""
-    from scheduler_service.monitor import Sample, group_z, window_readings
+    from scheduler_service.drift_signals import Sample, group_z, window_readings
 
     def s(g, ok):
         return Sample(float(ok), ok, g, 4, False, False, 1.0)
@@ -359,7 +360,7 @@ def test_a_value_hovering_at_a_threshold_does_not_flap():
     (monitor.warn_after consecutive evaluations are needed), a steady 0.85 fires once, hovering at 0.79-0.81
     afterwards keeps it firing (it resolves only below 0.8 less monitor.resolve_margin of it), and a real fall
     resolves it once: two state changes where the value crossed the threshold 60 times."""
-    from scheduler_service.monitor import Reading
+    from scheduler_service.drift_signals import Reading
 
     mon = DriftMonitor(CFG)
     values = [0.79, 0.81] * 15 + [0.85] * 4 + [0.81, 0.79] * 15 + [0.5] * 3

@@ -6,8 +6,9 @@ import time
 
 import pytest
 
-from scheduler_service.registry import Registry, TaskConflictError, sqlite_path
-from scheduler_service.sampler import training_budget
+from scheduler_service.issue_loop import training_budget
+from scheduler_service.registry import Registry, sqlite_path
+from scheduler_service.task_store import TaskConflictError
 from shared.config import RunConfig
 from shared.schemas import RewardEvent, Task
 

@@ -197,6 +197,7 @@ async def test_eval_before_training_then_rest_eval_round(make_config, kafka_cfg,
         assert [e["accuracy"] for e in (await client.get("/v1/status")).json()["evals"]] == [0.5, 1.0]
 
 
+@pytest.mark.e2e  # 8-14 s of broker round trips: the e2e tier keeps the default one within ten minutes
 async def test_eval_groups_fill_the_rollouts_slack_in_chunks(make_config, kafka_cfg, unique, running, task,
                                                               kafka_io):
     """``eval_timing: slack``: an eval round asked for while a training group is in flight waits; once nothing
@@ -304,6 +305,7 @@ async def test_a_misconfigured_reward_pauses_its_domain_until_resumed(make_confi
         assert len(await collect(requests, RolloutRequest, mine, want=1)) == 1, "no group after the resume"
 
 
+@pytest.mark.e2e  # 8-14 s of broker round trips: the e2e tier keeps the default one within ten minutes
 async def test_an_unsolved_group_is_resampled_with_more_samples(make_config, kafka_cfg, unique, running, task,
                                                                  kafka_io):
     """``resample_unsolved: 6``: a group whose K = 2 samples all fail is followed at once by one group of 6
@@ -335,6 +337,7 @@ async def test_an_unsolved_group_is_resampled_with_more_samples(make_config, kaf
         assert (t["samples"], t["passes"], t["groups_issued"]) == (8, 0, 2)
 
 
+@pytest.mark.e2e  # 8-14 s of broker round trips: the e2e tier keeps the default one within ten minutes
 async def test_a_group_the_trainer_drops_gives_its_slot_back(make_config, kafka_cfg, unique, running, task, kafka_io):
     """At v = 0 with η = 0 and B = 1 the budget holds one group. A completed group the trainer reports
     dropped (stale) frees its slot: a new group goes out at once, still at v = 0, and the dropped one is
@@ -380,6 +383,7 @@ async def test_a_group_the_trainer_drops_gives_its_slot_back(make_config, kafka_
         assert (await client.get("/v1/status")).json()["dropped_groups"] == {"stale": 1, "failed": 1}
 
 
+@pytest.mark.e2e  # 8-14 s of broker round trips: the e2e tier keeps the default one within ten minutes
 async def test_alerts_breaker_and_control_round_trip_through_the_broker(make_config, kafka_cfg, unique, running, task,
                                                                         kafka_io):
     """A domain whose scorer starts crediting everything trips its breaker: the alerts come out on
@@ -487,7 +491,7 @@ async def test_alerts_breaker_and_control_round_trip_through_the_broker(make_con
 
 async def test_an_eval_group_whose_request_can_never_be_produced_is_abandoned_with_the_reason(
         make_config, kafka_cfg, unique, running, task):
-    """Issue 19, item 5: an eval round whose send fails was left ``issued`` for 3 × group_deadline_s. A request
+    """An eval round whose send fails was left ``issued`` for 3 × group_deadline_s. A request
     larger than the producer's limit (``kafka.max_request_size``) can never be sent: its group is abandoned at
     once with the reason, the round finishes, and the small item of the same round is sent as usual."""
     from shared.config import KafkaConfig

@@ -10,7 +10,8 @@ import pytest
 from tests.support.system import small_tmpfs
 import torch
 
-from shared.checkpoint import CheckpointStore, DiskFullError, DiskPolicy, checkpoint_bytes, is_disk_full
+from shared.checkpoint import CheckpointStore
+from shared.disk import DiskFullError, DiskPolicy, checkpoint_bytes, is_disk_full
 
 
 @pytest.fixture
@@ -75,7 +76,7 @@ def test_only_the_newest_complete_version_keeps_trainer_and_optimizer_state(tmp_
 
 
 def test_the_previous_layout_still_loads(tmp_path):
-    """Written before issue 19: the optimizer inside ``trainer_state.pt``."""
+    """The older layout: the optimizer inside ``trainer_state.pt``."""
     store = CheckpointStore(tmp_path / "ck")
     store.save_weights({"w": torch.ones(3)}, "m", 1, 1)
     torch.save({"step": 1, "optimizer": {"m": torch.ones(2)}}, store.version_dir(1) / "trainer_state.pt")

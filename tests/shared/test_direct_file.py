@@ -1,4 +1,4 @@
-"""shared.checkpoint.DirectFile: the optimizer state's writer past the page cache (real files, real O_DIRECT)."""
+"""shared.disk.DirectFile: the optimizer state's writer past the page cache (real files, real O_DIRECT)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import os
 import pytest
 import torch
 
-from shared import checkpoint
-from shared.checkpoint import CheckpointStore, DirectFile
+from shared import checkpoint, disk
+from shared.checkpoint import CheckpointStore
+from shared.disk import DirectFile
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -42,7 +43,7 @@ def test_a_file_system_that_refuses_o_direct_gets_a_buffered_file(tmp_path, monk
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, mode)
 
-    monkeypatch.setattr(checkpoint.os, "open", no_direct)
+    monkeypatch.setattr(disk.os, "open", no_direct)
     with DirectFile(tmp_path / "f") as f:
         f.write(b"x" * 5000)
     assert not f.direct and (tmp_path / "f").read_bytes() == b"x" * 5000
@@ -91,7 +92,7 @@ def test_the_checksum_is_the_files_and_a_corrupt_optimizer_state_is_refused_at_r
 
 
 def test_live_weights_are_the_parameters_themselves_with_tied_ones_once():
-    from shared.checkpoint import live_weights, snapshot_weights
+    from shared.model_weights import live_weights, snapshot_weights
 
     model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
     model[1].weight = model[0].weight  # tied, as SmolLM2's output layer is to its embedding
@@ -125,18 +126,18 @@ def test_a_file_system_that_refuses_o_direct_on_write_gets_buffered_writes(tmp_p
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_write(fd, data)
 
-    monkeypatch.setattr(checkpoint.os, "write", write)
+    monkeypatch.setattr(disk.os, "write", write)
     with DirectFile(tmp_path / "f", stage_bytes=8192) as f:
         f.write(b"y" * 20_000)
     assert refused and not f.direct and (tmp_path / "f").read_bytes() == b"y" * 20_000
 
 
 def test_a_write_that_stores_nothing_is_a_full_disk(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint.os, "write", lambda fd, data: 0)
+    monkeypatch.setattr(disk.os, "write", lambda fd, data: 0)
     f = DirectFile(tmp_path / "f", stage_bytes=8192)
     with pytest.raises(OSError) as e:
         f.write(b"z" * 10_000)
-    assert checkpoint.is_disk_full(e.value)
+    assert disk.is_disk_full(e.value)
     with pytest.raises(OSError):
         f.close()  # the last drain fails the same way; the descriptor is closed anyway
     assert f.closed

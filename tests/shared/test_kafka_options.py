@@ -1,4 +1,4 @@
-"""Issue 19: every Kafka client gets the short metadata refresh, the retry and timeout settings, and the
+"""Every Kafka client gets the short metadata refresh, the retry and timeout settings, and the
 optional SASL/SSL security of :class:`shared.config.KafkaConfig` (``shared.kafka.client_options``).
 
 Before the fix the clients kept aiokafka's 5-minute metadata refresh (300,000 ms), which left the services

@@ -1,4 +1,4 @@
-"""Issue 20: flywheel.scored v3 carries what the trainer trains on; a v2 record still decodes (tolerant)."""
+"""The flywheel.scored v3 record carries what the trainer trains on; a v2 record still decodes (tolerant)."""
 
 from __future__ import annotations
 

@@ -138,7 +138,7 @@ def test_settings_default_to_auto_and_refuse_other_dtypes():
 
 
 def test_the_run_state_records_what_the_services_choose(forced, tmp_path):
-    from flywheel.launcher import precision_plan
+    from flywheel.service_env import precision_plan
 
     forced("0")
     cfg = tmp_path / "job.yaml"

@@ -14,9 +14,17 @@ def _task(**kw):
 def test_task_round_trip_keeps_schema_and_discriminated_verifier():
     t = _task(verifier={"kind": "math", "answer": "1/2"}, metadata={"x": [1, 2]})
     obj = orjson.loads(t.encode())
-    assert obj["schema"] == "flywheel.Task" and obj["schema_version"] == Task.VERSION == 2
+    assert obj["schema"] == "flywheel.Task" and obj["schema_version"] == Task.VERSION == 3
     back = decode(t.encode(), Task)
     assert back == t and back.verifier.kind == "math"
+
+
+def test_a_version_2_task_still_decodes_and_a_version_1_does_not():
+    """Version 3 only added the ``environment`` verifier kind: every version-2 record is a valid version-3 one."""
+    obj = orjson.loads(_task(verifier={"kind": "exact", "answer": "1"}).encode())
+    assert decode(orjson.dumps({**obj, "schema_version": 2}), Task).schema_version == 3
+    with pytest.raises(DecodeError, match="schema version 1"):
+        decode(orjson.dumps({**obj, "schema_version": 1}), Task)
 
 
 def test_trajectory_round_trip_and_alignment_check():

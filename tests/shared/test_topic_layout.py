@@ -1,4 +1,4 @@
-"""Issue 20: topics exist before anyone subscribes, and their partition counts are checked at start-up.
+"""Topics exist before anyone subscribes, and their partition counts are checked at start-up.
 
 A client that touches a topic nobody created (a consumer subscribing, a producer sending) makes the embedded
 broker auto-create it with its own default of 4 partitions, whatever ``kafka.partitions`` says: in one of two

@@ -9,16 +9,19 @@ import torch
 from shared.model import build_tiny_model, encode_chat, load_model, load_tokenizer
 
 
-def teach_tiny_model(model_dir: Path, prompt_msgs: list[dict], target: str, steps: int = 300):
+def teach_tiny_model(model_dir: Path, prompt_msgs: list[dict], target: str, steps: int = 300,
+                     render=encode_chat):
     """Build a tiny Llama (hidden 96, 2 layers, seed 0) in ``model_dir`` and teach it, by supervised steps
     (Adam, lr 3e-3, at most ``steps``; under a second), to answer ``prompt_msgs`` with ``target`` and stop.
+    ``render(tokenizer, prompt_msgs)`` gives the prompt ids (default: the chat template with the generation
+    prompt).
 
     Returns ``(tokenizer, model)``, the model in train mode and not saved.
     """
     torch.manual_seed(0)
     d = build_tiny_model(model_dir, hidden=96, layers=2)
     tok, model = load_tokenizer(d), load_model(d)
-    prompt = encode_chat(tok, prompt_msgs)
+    prompt = render(tok, prompt_msgs)
     ids = torch.tensor([prompt + tok(target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]])
     labels = ids.clone()
     labels[0, :len(prompt)] = -100
@@ -35,7 +38,7 @@ def teach_tiny_model(model_dir: Path, prompt_msgs: list[dict], target: str, step
 
 
 def teach_tiny_mixture(model_dir: Path, examples: list[tuple[list[dict], str, float]], steps: int = 400,
-                       lr: float = 3e-3):
+                       lr: float = 3e-3, render=encode_chat):
     """Build a tiny Llama (hidden 96, 2 layers, seed 0) in ``model_dir`` and teach it a *distribution* of
     answers: ``examples`` are ``(prompt_msgs, target, weight)``, several targets per prompt, and the model
     learns to answer each prompt with its targets (each followed by EOS) in proportion to their weights.
@@ -43,14 +46,14 @@ def teach_tiny_mixture(model_dir: Path, examples: list[tuple[list[dict], str, fl
     Full-batch supervised steps (Adam, ``lr``, ``steps`` of them; a few seconds) on the weighted mean of the
     sequences' summed token log-loss, whose minimum is the weighted empirical distribution of the targets
     given the prompt (the loss cannot go to 0, so all ``steps`` run). Returns ``(tokenizer, model)``, the
-    model in train mode and not saved.
+    model in train mode and not saved. ``render`` as in :func:`teach_tiny_model`.
     """
     torch.manual_seed(0)
     d = build_tiny_model(model_dir, hidden=96, layers=2)
     tok, model = load_tokenizer(d), load_model(d)
     rows, weights = [], []
     for msgs, target, w in examples:
-        prompt = encode_chat(tok, msgs)
+        prompt = render(tok, msgs)
         rows.append((prompt, tok(target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
         weights.append(float(w))
     width = max(len(p) + len(t) for p, t in rows)

@@ -1,4 +1,4 @@
-"""Issue 19 item 3: a trainer process outlives a broker kill -9 and an empty broker on the same port.
+"""A trainer process outlives a broker kill -9 and an empty broker on the same port.
 
 A real trainer (``python -m trainer_service``, the tiny model, one group per step) has published version 1
 when the broker is killed with SIGKILL; an empty broker starts on the same port. The trainer must stay

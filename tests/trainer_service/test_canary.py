@@ -106,8 +106,8 @@ def test_int8_and_bf16_engines_are_judged_by_their_own_tolerance(models):
 
 async def test_a_failing_engine_fires_a_canary_alert_and_its_recovery_resolves_it(models, kafka_cfg, unique):
     from shared import kafka
-    from trainer_service.main import TrainLoop
     from tests.conftest import _read_topic
+    from trainer_service.loop import TrainLoop
 
     base, trained = models
     check = CanaryCheck(load_model(trained), load_tokenizer(base))

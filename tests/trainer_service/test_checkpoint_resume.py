@@ -2,9 +2,10 @@
 
 import torch
 
-from shared.checkpoint import CheckpointStore, snapshot_weights
+from shared.checkpoint import CheckpointStore
 from flywheel.config import load_config
 from shared.model import build_tiny_model
+from shared.model_weights import snapshot_weights
 from trainer_service.groups import GroupBuffer
 from trainer_service.main import build_trainer
 

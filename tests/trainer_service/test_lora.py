@@ -11,8 +11,9 @@ from safetensors.torch import load_file
 from rollout_service.torch_engine import TorchEngine
 from shared import lora
 from shared.canary import TOLERANCE, canary_diff
-from shared.checkpoint import ADAPTER_FILE, CheckpointStore, load_weights
+from shared.checkpoint import ADAPTER_FILE, CheckpointStore
 from shared.model import build_tiny_model, load_model, load_tokenizer
+from shared.model_weights import load_weights
 from shared.schemas import WeightUpdate
 from trainer_service.canary import CanaryCheck
 from trainer_service.config import LoraConfig, TrainerConfig, TrainerSettings

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from shared.checkpoint import snapshot_weights
 from shared.model import load_model
+from shared.model_weights import snapshot_weights
 from trainer_service.config import TrainerConfig
 from trainer_service.groups import GroupBuffer
 from trainer_service.losses import resolve_loss
@@ -58,7 +58,7 @@ def test_advantage_estimators_hand_computed():
 
 
 def test_each_preset_means_what_trl_and_verl_mean_by_its_name():
-    """Issue 14: ``grpo`` averages each sequence's tokens first, then the sequences (TRL ``loss_type="grpo"``,
+    """``grpo`` averages each sequence's tokens first, then the sequences (TRL ``loss_type="grpo"``,
     DeepSeekMath eq. 3, verl ``seq-mean-token-mean``). Before, it averaged over all the batch's tokens,
     which is TRL's ``bnpo`` (and ``dapo`` with a symmetric clip): that preset is now ``bnpo``."""
     got = {n: (resolve_loss(TrainerConfig(loss=n)).estimator, resolve_loss(TrainerConfig(loss=n)).cfg.loss_agg,
@@ -343,7 +343,7 @@ def test_cosine_schedule_decays_to_its_floor_after_warm_up():
 def test_stale_samples_weight_the_kl_term_and_fresh_ones_do_not(tiny):
     """η = 1 with KL: rows whose behaviour log-probs are not π_θ's carry w ≠ 1 in the KL term; rows scored by
     π_θ itself (behaviour == the trainer's log-probs) carry w = 1 up to float32 storage of the log-probs."""
-    from trainer_service.trainer import collate, completion_logprobs
+    from trainer_service.forward import collate, completion_logprobs
     model = load_model(tiny)
     buf = GroupBuffer(1)
     fill(buf, "stale", [1, 0, 0, 1], version=0)  # behaviour log-probs −1: not π_θ's

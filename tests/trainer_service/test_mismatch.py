@@ -1,4 +1,4 @@
-"""Training-inference mismatch (issue 20): the statistics against a hand computation, their split into
+"""Training-inference mismatch: the statistics against a hand computation, their split into
 all tokens and on-policy tokens in a real train step, and what bf16 numerics do to each off-policy mode."""
 
 import math
@@ -8,9 +8,10 @@ import torch
 
 from shared.model import build_tiny_model, load_model
 from trainer_service.config import TrainerConfig
+from trainer_service.forward import collate, completion_logprobs
 from trainer_service.groups import GroupBuffer
 from trainer_service.losses.mismatch import mismatch_sums, onpolicy_means
-from trainer_service.trainer import PolicyTrainer, collate, completion_logprobs
+from trainer_service.trainer import PolicyTrainer
 
 from .test_trainer import scored
 

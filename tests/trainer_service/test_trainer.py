@@ -7,8 +7,9 @@ import torch
 from shared.model import build_tiny_model, load_model
 from shared.schemas import Reward, ScoredTrajectory, Task, Trajectory
 from trainer_service.config import TrainerConfig
+from trainer_service.forward import PASS_COST_TOKENS, collate, completion_logprobs, length_buckets
 from trainer_service.groups import GroupBuffer
-from trainer_service.trainer import PASS_COST_TOKENS, PolicyTrainer, collate, completion_logprobs, length_buckets
+from trainer_service.trainer import PolicyTrainer
 
 TASK = Task(task_id="t", domain="toy", prompt=[{"role": "user", "content": "q"}],
             verifier={"kind": "regex", "pattern": "^a"})

@@ -16,7 +16,7 @@ The gradients over all parameters agree to a relative L2 ≤ 1e-5 (about 3e-7: T
 computes log-probs in float32). The step is one micro-batch, where TRL's per-micro-batch normalisers
 (``grpo``, ``bnpo``, ``dr_grpo``) equal Flywheel's whole-batch ones. GSPO with β > 0: see
 :func:`relative_l2`. ``python3 -m tests.trainer_service.test_trl_parity`` prints the table, with the
-gap of the unweighted KL term that Flywheel had before issue 14.
+gap of the unweighted KL term that Flywheel once had.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def _flywheel(model, groups, preset: str, beta: float, weight_kl: bool = True):
         tr.ref_model.load_state_dict(ref.state_dict())
     tr.optimizer.step = lambda: None  # keep the weights; read the gradient
     saved = trainer_module.kl_importance_weight
-    if not weight_kl:  # the KL term before issue 14: samples treated as if drawn from π_θ
+    if not weight_kl:  # the old unweighted KL term: samples treated as if drawn from π_θ
         trainer_module.kl_importance_weight = lambda logprobs, *args: torch.ones_like(logprobs)
     try:
         tr.train_step(groups)
@@ -204,7 +204,7 @@ def kl_relative_l2(tiny, out_dir, weight_kl: bool = True) -> float:
 
 
 def test_kl_without_the_importance_weight_misses_trl(tiny, tmp_path):
-    """The KL term before issue 14 (unweighted) differs from TRL's on this off-policy batch; weighted it agrees."""
+    """The old unweighted KL term differs from TRL's on this off-policy batch; weighted it agrees."""
     assert kl_relative_l2(tiny, tmp_path, weight_kl=False) > 1e-2  # 0.12 here
     # 7e-6 here: TRL's fused LM head computes log-probs in float32 (trl/kernels/chunked_logprob.py), and the KL
     # part alone is small, so its relative error is that of δ = log π_θ − log π_ref in float32
@@ -221,7 +221,7 @@ if __name__ == "__main__":
         for name, trl_args in TRL_ARGS.items():
             cells = [f"{relative_l2(model_dir, name, b, Path(d) / 'out'):.1e}" for b in BETAS]
             print(f"| `{name}` | {', '.join(f'{k}={v!r}' for k, v in trl_args.items())} | {' | '.join(cells)} |")
-        print(f"| `grpo`, KL without the weight (before issue 14) | | | "
+        print(f"| `grpo`, KL without the weight (the old form) | | | "
               f"{relative_l2(model_dir, 'grpo', 0.04, Path(d) / 'out', weight_kl=False):.1e} |")
         print(f"| `grpo`, the KL part alone (all advantages 0): weighted / unweighted | | | "
               f"{kl_relative_l2(model_dir, Path(d) / 'out'):.1e} / "

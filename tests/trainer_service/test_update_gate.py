@@ -67,7 +67,7 @@ def test_the_gate_is_open_for_a_trainer_used_without_the_service():
 
 
 def test_detach_copies_the_live_tensors_and_opens_the_gate_once():
-    from trainer_service.main import StepSnapshot
+    from trainer_service.publisher import StepSnapshot
 
     gate = threading.Event()
     w = {"w": torch.ones(4)}
@@ -108,7 +108,7 @@ async def test_a_cancelled_publication_opens_the_gate_only_when_its_write_return
 
     from flywheel.config import load_config
     from trainer_service.groups import GroupBuffer
-    from trainer_service.main import Publisher, StepSnapshot
+    from trainer_service.publisher import Publisher, StepSnapshot
 
     cfg = load_config(model={"name": "tiny"}, run={"dir": str(tmp_path / "run")},
                       trainer={"disk_reserve_bytes": 0})  # a nearly full disk must not take the waiting path
@@ -128,7 +128,7 @@ async def test_a_cancelled_publication_opens_the_gate_only_when_its_write_return
 
 
 async def test_in_thread_returns_and_raises_what_the_function_does():
-    from trainer_service.main import StepSnapshot
+    from trainer_service.publisher import StepSnapshot
 
     gate = threading.Event()
     snap = StepSnapshot([], {}, {}, {}, 1, 1, gate)
@@ -144,10 +144,10 @@ async def test_a_write_cancelled_before_it_started_does_not_keep_the_gate_shut()
     the gate must still open once the running ones return (else the next optimizer step would wait forever)."""
     import asyncio
 
-    from trainer_service import main as trainer_main
-    from trainer_service.main import StepSnapshot
+    from trainer_service import publisher as trainer_publisher
+    from trainer_service.publisher import StepSnapshot
 
-    threads = trainer_main.WRITERS._max_workers
+    threads = trainer_publisher.WRITERS._max_workers
     busy, go = threading.Barrier(threads + 1), threading.Event()
 
     def hold():
@@ -184,7 +184,8 @@ async def test_a_stop_with_the_broker_gone_writes_the_version_whole_and_gives_up
     from flywheel.config import load_config
     from shared import kafka
     from trainer_service.groups import GroupBuffer
-    from trainer_service.main import Publisher, StepSnapshot, TrainLoop
+    from trainer_service.loop import TrainLoop
+    from trainer_service.publisher import Publisher, StepSnapshot
 
     grace = 1.5
     broker = EmbeddedBroker.start(log_path=tmp_path / "broker.log", with_parent=True)
@@ -230,7 +231,8 @@ async def test_a_stop_with_the_broker_up_never_abandons_and_cancels_at_its_bound
 
     from flywheel.config import load_config
     from trainer_service.groups import GroupBuffer
-    from trainer_service.main import Publisher, StepSnapshot, TrainLoop
+    from trainer_service.loop import TrainLoop
+    from trainer_service.publisher import Publisher, StepSnapshot
 
     cfg = load_config(model={"name": "tiny"}, run={"dir": str(tmp_path / "run")},
                       trainer={"disk_reserve_bytes": 0, "drain_broker_wait_s": 0.0})

@@ -1,4 +1,4 @@
-"""Issue 19 item 3: a verifier process outlives a broker kill -9 and an empty broker on the same port.
+"""A verifier process outlives a broker kill -9 and an empty broker on the same port.
 
 A real verifier (``python -m verifier_service``) on its own embedded broker is scoring a trajectory (its
 judge takes 4 s) when the broker is killed with SIGKILL; 1.5 s later an empty broker (memory storage:

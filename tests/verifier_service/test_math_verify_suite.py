@@ -1,4 +1,4 @@
-"""The ``math`` kind against Math-Verify's own test cases (issue 14), and one focused test per cause.
+"""The ``math`` kind against Math-Verify's own test cases, and one focused test per cause.
 
 The cases (``data/math_verify_cases.jsonl``, from huggingface/Math-Verify's ``tests/*.py``, Apache-2.0;
 regenerate with ``scripts/vendor_math_verify_cases.py``) run through ``Scorer.check`` as the service
@@ -67,7 +67,7 @@ async def test_math_kind_agrees_with_math_verify_suite():
                if g != c["expected"]), missed  # every miss is a gold we refuse, none a wrong reading
 
 
-# ---------------------------------------------------------------- one test per cause of issue 14
+# ---------------------------------------------------------------- one test per cause found
 
 
 @pytest.mark.parametrize("completion", [

@@ -144,7 +144,7 @@ async def test_the_token_is_sent_to_the_sandbox_and_a_wrong_one_is_an_infra_erro
         await good.close()
         await bad.close()
     r_auth = httpx.post(f"{sandbox.url}/v1/execute", json={"code": "print(1)"}, timeout=10).status_code
-    if r_auth == 401:  # the sandbox checks the token (issue 19, item 8)
+    if r_auth == 401:  # the sandbox checks the token
         assert r.infra_error is True and "401" in r.details["reason"], r.details
     else:  # a sandbox without the check: the wrong token is simply ignored
         assert r.total == 1.0

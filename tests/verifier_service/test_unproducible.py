@@ -1,4 +1,4 @@
-"""Issue 19 item 4: a trajectory whose scored result cannot be produced must not crash-loop the verifier.
+"""A trajectory whose scored result cannot be produced must not crash-loop the verifier.
 
 A real verifier process (``python -m verifier_service``) on its own embedded broker, with a small
 ``kafka.max_request_size`` (20,000 bytes) standing in for the 16 MiB limit: a trajectory of highly
@@ -63,7 +63,7 @@ async def test_an_unproducible_scored_result_is_dead_lettered_committed_and_the_
         producer = kafka.make_producer(cfg)  # the test's producer keeps the 16 MiB limit
         await producer.start()
         try:
-            # ~30 KB uncompressed, a few hundred bytes in lz4; the lean scored record (issue 20) carries the
+            # ~30 KB uncompressed, a few hundred bytes in lz4; the lean scored record carries the
             # token ids, log-probs and mask, not the text: 3,000 tokens make it over the limit too
             big = _traj(tag, 0, "a" + "b" * 30_000, tokens=3_000)
             small = _traj(tag, 1, "abc")

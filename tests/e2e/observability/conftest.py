@@ -23,7 +23,7 @@ import httpx
 import pytest
 import yaml
 
-from flywheel.cli import submit_tasks
+from flywheel.cli.client import submit_tasks
 from flywheel.launcher import LocalSystem
 from scheduler_service.config import RUN_SIGNALS, SIGNALS
 from shared.auth import auth_headers, token_from_run_dir

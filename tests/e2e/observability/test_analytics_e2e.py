@@ -1,5 +1,5 @@
 """``flywheel analytics`` on the live toy system (the ``observed`` fixture), run as the CLI: the ingest, the
-README's questions (``flywheel.analytics.QUESTIONS``), a second ingest that duplicates nothing, and
+README's questions (``flywheel.analytics.queries.QUESTIONS``), a second ingest that duplicates nothing, and
 ``--follow`` stopped by SIGTERM while ``query`` reads the file."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import duckdb
 import orjson
 import pytest
 
-from flywheel.analytics import QUESTIONS, TABLES
+from flywheel.analytics.queries import QUESTIONS
+from flywheel.analytics.tables import TABLES
 
 pytestmark = pytest.mark.kafka
 ROOT = Path(__file__).resolve().parents[3]
