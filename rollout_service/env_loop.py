@@ -4,7 +4,8 @@ For a request whose task is scored by an environment (``verifier.kind: environme
 ``env_response`` (:attr:`shared.envs.Environment.multi_turn`), each of the ``n`` rollouts gets its own ``state``
 dict: ``setup`` fills it, then after every assistant turn
 
-- tool calls in the turn (the ``hermes`` format of :mod:`shared.tools`) are run in this process
+- tool calls in the turn (parsed by the environment's ``tool_parser``, :data:`shared.tools.PARSERS`) are run in
+  this process
   (:func:`shared.envs.tools.call_tool`, each bounded by the environment's ``hook_timeout_s``), and their results
   enter as the chat template's ``tool`` message;
 - a turn without a call goes to ``env_response``, whose text enters as a ``user`` message (``None``: done);
@@ -31,14 +32,12 @@ from rollout_service.tool_loop import Rollout, tool_turn_ids
 from shared.envs import Environment
 from shared.envs.tools import HookError, call_hook, call_tool
 from shared.schemas import SamplingParams, Task
-from shared.tools import parse_tool_calls
+from shared.tools import CALL_FORMATS, PARSERS
 
-TOOLS_SYSTEM_PROMPT = (
-    "You can call these tools (JSON schemas):\n<tools>\n{schemas}\n</tools>\nTo call one, write "
-    '<tool_call>{{"name": <tool name>, "arguments": {{<its arguments>}}}}</tool_call>; the result comes back in '
-    "the next message.")
+TOOLS_SYSTEM_PROMPT = ("You can call these tools (JSON schemas):\n<tools>\n{schemas}\n</tools>\nTo call one, "
+                       "write {call}; the result comes back in the next message.")
 """What the model is told about the tools when its chat template renders none (``{schemas}``: one JSON schema a
-line), appended to the system message (or made one)."""
+line; ``{call}``: the parser's :data:`shared.tools.CALL_FORMATS`), appended to the system message (or made one)."""
 
 MAX_STATE_BYTES = 64 * 1024
 """Largest state carried with a trajectory (compact JSON); a larger one is replaced by a note saying so."""
@@ -63,7 +62,8 @@ class EnvRollout:
         return orjson.loads(data)
 
 
-def encode_with_tools(tokenizer, messages: list[dict[str, str]], schemas: list[dict[str, Any]]) -> list[int]:
+def encode_with_tools(tokenizer, messages: list[dict[str, str]], schemas: list[dict[str, Any]],
+                      parser: str = "hermes") -> list[int]:
     """Prompt ids of ``messages`` with the tools described: by the chat template itself (``tools=``, the Hugging
     Face convention) when it renders them, else by :data:`TOOLS_SYSTEM_PROMPT` in the system message."""
     plain = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -74,7 +74,8 @@ def encode_with_tools(tokenizer, messages: list[dict[str, str]], schemas: list[d
         except Exception:  # noqa: BLE001 - a template that refuses tools: describe them ourselves
             text = plain
         if text == plain:
-            described = TOOLS_SYSTEM_PROMPT.format(schemas="\n".join(orjson.dumps(s).decode() for s in schemas))
+            described = TOOLS_SYSTEM_PROMPT.format(schemas="\n".join(orjson.dumps(s).decode() for s in schemas),
+                                                   call=CALL_FORMATS[parser])
             if messages and messages[0]["role"] == "system":
                 messages = [{"role": "system", "content": messages[0]["content"] + "\n\n" + described},
                             *messages[1:]]
@@ -98,7 +99,7 @@ async def _observe(env: Environment, task: Task, ro: EnvRollout, turn: int) -> t
         HookError: ``env_response`` raised or timed out.
     """
     text = ro.rollout.turns[-1]["text"]
-    calls = parse_tool_calls(text) if env.tools else []
+    calls = PARSERS[env.tool_parser](text) if env.tools else []
     if calls:
         injected = {"state": ro.state, "task": _context(task, ro.state)["task"]}
         results = await asyncio.gather(*(call_tool(env.tools, c.name, c.arguments, c.error, injected,

@@ -169,7 +169,8 @@ class BatchGenerator:
             log.warning("group %s: %s", r.group_id, env)
             completions = [Completion.from_rollout(Rollout(), version, error=env) for _ in range(r.n)]
         else:
-            prompt = encode_with_tools(self.tokenizer, prompt_messages(r, self.system_prompt), env.tool_schemas())
+            prompt = encode_with_tools(self.tokenizer, prompt_messages(r, self.system_prompt), env.tool_schemas(),
+                                       env.tool_parser)
             with trace.get_tracer("rollout").start_as_current_span(
                     "env_loop", context=extract_context(headers), attributes={"group_id": r.group_id, "n": r.n}):
                 runs = await run_env_loop(self.gate, self.tokenizer, env, r.task, prompt, r.n, r.sampling,

@@ -78,3 +78,39 @@ def _check(obj: object, raw: str, error: str | None) -> ToolCall:
 def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
     """The text of one call in the format above."""
     return OPEN + orjson.dumps({"name": name, "arguments": arguments}).decode() + CLOSE
+
+
+def parse_llama3_json_calls(text: str) -> list[ToolCall]:
+    """Calls in the Llama 3.1 JSON convention: the message (after an optional ``<|python_tag|>``) is one JSON
+    object ``{"name": ..., "parameters": {...}}`` (``arguments`` is accepted for ``parameters``), or several
+    separated by ``;``. A message that does not start with ``{`` holds no call; one that does but is not such an
+    object comes back with ``error`` set. Never raises."""
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return []
+    calls, i = [], 0
+    while i < len(body):
+        try:
+            obj, end = _DECODER.raw_decode(body, i)
+        except (json.JSONDecodeError, RecursionError) as e:
+            calls.append(ToolCall(None, raw=body[i:i + 2000], error=f"not valid JSON: {e}"))
+            break
+        if isinstance(obj, dict) and "parameters" in obj and "arguments" not in obj:
+            obj = {"name": obj.get("name"), "arguments": obj["parameters"],
+                   **{k: v for k, v in obj.items() if k not in ("name", "parameters")}}
+        calls.append(_check(obj, body[i:end][:2000], None))
+        i = end
+        while i < len(body) and body[i] in " \t\r\n;":
+            i += 1
+    return calls
+
+
+PARSERS = {"hermes": parse_tool_calls, "llama3_json": parse_llama3_json_calls}
+"""Tool-call parsers by name: ``hermes`` (``<tool_call>`` tags, Qwen2.5 and Hermes models) and ``llama3_json``
+(a bare JSON object, Llama 3.1 and 3.2)."""
+
+CALL_FORMATS = {
+    "hermes": '<tool_call>{"name": <tool name>, "arguments": {<its arguments>}}</tool_call>',
+    "llama3_json": 'a message that is only {"name": <tool name>, "parameters": {<its arguments>}}',
+}
+"""How a call is written in each parser's convention (told to a model whose template renders no tools)."""

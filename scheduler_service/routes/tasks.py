@@ -26,6 +26,7 @@ from scheduler_service.models import Duplicate, TaskBatchCreate, TaskCreate, Tas
 from scheduler_service.state import SchedulerState
 from scheduler_service.task_store import TaskConflictError
 from shared.auth import AUTH, AUTH_RESPONSES
+from shared.envs import EnvironmentLoadError, cached_environment
 from shared.http import BodyError, CheckedRoute, parse_json_body
 from shared.schemas import Task
 
@@ -179,6 +180,7 @@ def validate_batch(raw: bytes, state: SchedulerState) -> list[Task]:
     counter.load()
     errors: list[dict[str, Any]] = []
     tasks: list[Task] = []
+    loaded: dict[str, str | None] = {}
     for i, item in enumerate(env.tasks):
         if time.monotonic() > deadline:
             raise BodyError(f"validating the batch took more than {sc.validation_budget_s} s "
@@ -194,12 +196,33 @@ def validate_batch(raw: bytes, state: SchedulerState) -> list[Task]:
                            "msg": f"the task could not be validated: {type(e).__name__}: {str(e)[:200]}"})
         else:
             errors.extend(_task_limits(task, where, state, limit, counter))
+            errors.extend(_environment_errors(task, where, loaded))
             tasks.append(task)
         if len(errors) >= ERRORS_LISTED:
             break
     if errors:
         raise RequestValidationError(errors)
     return tasks
+
+
+def _environment_errors(task: Task, where: tuple, loaded: dict[str, str | None]) -> list[dict[str, Any]]:
+    """The error of a task scored by a user environment that cannot be imported here (the scheduler loads it as
+    the verifier and the rollout will: the message names the id, module, file or attribute); ``loaded`` keeps
+    each reference's outcome for the rest of the batch."""
+    if task.verifier.kind != "environment":
+        return []
+    ref = task.verifier.environment
+    key = ref.key()
+    if key not in loaded:
+        try:
+            cached_environment(ref)
+            loaded[key] = None
+        except EnvironmentLoadError as e:
+            loaded[key] = str(e)
+    if loaded[key] is None:
+        return []
+    return [{"type": "environment_unloadable", "loc": (*where, "verifier", "environment"), "input": None,
+             "msg": loaded[key][:1000]}]
 
 
 def _task_limits(task: Task, where: tuple, state: SchedulerState, limit: int,
@@ -254,7 +277,9 @@ async def create_tasks(request: Request, state: StateDep) -> TaskIds:
     stored again: it is listed in ``duplicates`` with the id of the task it duplicates.
 
     Errors: 400 for a body that is not JSON; 413 for a body over ``scheduler.max_body_bytes``; 422 for a
-    malformed task (the detail names the task index and field, nothing stored), a task whose largest record
+    malformed task (the detail names the task index and field, nothing stored), a task scored by a user
+    environment that cannot be imported (``verifier.environment``; the message names what is missing), a task
+    whose largest record
     would not fit the broker's record limit, or whose prompt with ``max_new_tokens`` would not fit the
     policy's context; 409 when a task id exists with different content (nothing of the batch stored).
     """

@@ -184,6 +184,8 @@ class Environment:
             ``answer``, ``info``, ``prompt``). Without it such a turn ends the rollout.
         cleanup: called once per rollout at its end, whatever happened (takes ``state`` and the rest as
             ``setup``).
+        tool_parser: how the model writes calls: ``hermes`` (``<tool_call>{...}</tool_call>``, the default) or
+            ``llama3_json`` (a bare ``{"name", "parameters"}`` object); :data:`shared.tools.PARSERS`.
         max_turns: assistant turns per rollout (default 1, or 4 with tools or ``env_response``).
         hook_timeout_s: bound on each tool call and each ``setup``/``env_response``/``cleanup`` call (seconds).
 
@@ -204,6 +206,7 @@ class Environment:
     cleanup: Callable[..., Any] | None = None
     max_turns: int | None = None
     hook_timeout_s: float = 10.0
+    tool_parser: str = "hermes"
 
     def __post_init__(self) -> None:
         from shared.envs.tools import tool_schema
@@ -216,6 +219,10 @@ class Environment:
         for hook in ("setup", "env_response", "cleanup"):
             if getattr(self, hook) is not None and not callable(getattr(self, hook)):
                 raise TypeError(f"{hook} must be callable")
+        from shared.tools import PARSERS
+
+        if self.tool_parser not in PARSERS:
+            raise ValueError(f"unknown tool_parser {self.tool_parser!r}; known: {sorted(PARSERS)}")
         if self.max_turns is None:
             self.max_turns = 4 if self.multi_turn else 1
         if self.max_turns < 1 or not math.isfinite(self.hook_timeout_s) or self.hook_timeout_s <= 0:

@@ -59,6 +59,7 @@ ANSWERS = {
     "missing": format_tool_call("add", {"a": 1}),
     "malformed": '<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>',
     "guess": "50",
+    "llama": '{"name": "add", "parameters": {"a": 2, "b": 3}}',
 }
 """What the taught model answers to the user message ``case <key>`` (every case's prompt lists the same tools)."""
 
@@ -131,6 +132,13 @@ async def test_a_failing_call_is_an_observation_the_model_reads(engine, case, sa
     (ro,) = await _run(engine, _env(max_turns=2, hook_timeout_s=0.5), case, n=1)
     assert ro.error is None and ro.rollout.turns[0]["text"] == ANSWERS[case]
     assert ro.rollout.turns[1]["role"] == "tool" and ro.rollout.turns[1]["text"].startswith(says), ro.rollout.turns
+
+
+async def test_the_llama3_json_parser_reads_a_bare_call_and_hermes_does_not(engine):
+    (ro,) = await _run(engine, _env(max_turns=2, tool_parser="llama3_json"), "llama", n=1)
+    assert [t["role"] for t in ro.rollout.turns][:2] == ["assistant", "tool"] and ro.rollout.turns[1]["text"] == "5"
+    (ro,) = await _run(engine, _env(max_turns=2), "llama", n=1)  # hermes: a bare object is an answer, not a call
+    assert [t["role"] for t in ro.rollout.turns] == ["assistant"]
 
 
 async def test_env_response_answers_turns_without_a_call_until_it_returns_none(engine):

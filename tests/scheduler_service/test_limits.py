@@ -278,3 +278,27 @@ def test_openapi_lists_the_statuses_and_requires_kind(make_config):
         assert schemas[kind]["required"][0] == "kind", kind
     judge = schemas["JudgeRubric"]["properties"]["scale_min"]
     assert judge["minimum"] >= -(2**53) and judge["maximum"] <= 2**53
+
+
+async def test_a_task_whose_environment_cannot_be_imported_is_refused_naming_what_is_missing(
+        make_config, running, task, tmp_path):
+    """A task scored by a user environment is accepted when the scheduler can import it as the verifier will,
+    and refused with 422 at ``verifier.environment`` naming the file or attribute when it cannot."""
+    env = tmp_path / "env_ok.py"
+    env.write_text("from flywheel.env import Environment\n\ndef load_environment():\n"
+                   "    return Environment(dataset=[], rubric=lambda completion: 1.0)\n")
+
+    def scored_by(ref: dict, task_id: str) -> dict:
+        return task(task_id, verifier={"kind": "environment", "environment": ref, "answer": 4})
+
+    async with running(make_config(), kafka=False) as (client, state):
+        r = await client.post("/v1/tasks", json={"tasks": [scored_by({"path": str(env)}, "ok")]})
+        assert r.status_code == 202, r.text
+        bad = [scored_by({"path": str(tmp_path / "missing.py")}, "a"), scored_by({"path": f"{env}:nope"}, "b"),
+               scored_by({"path": str(tmp_path / "missing.py")}, "c")]
+        r = await client.post("/v1/tasks", json={"tasks": bad})
+        assert r.status_code == 422, r.text
+        assert _fields(r) == ["tasks.0.verifier.environment", "tasks.1.verifier.environment",
+                              "tasks.2.verifier.environment"]
+        assert "missing.py' is not a file" in r.text and "has no attribute 'nope'" in r.text
+        assert await _absent(client, "a") and await _absent(client, "b")

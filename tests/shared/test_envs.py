@@ -194,3 +194,17 @@ def test_the_shipped_single_turn_example_is_short_and_scores():
         sys.path.remove(str(SORT))
     assert isinstance(env, Environment) and len(env.dataset) == 5
     assert env.rubric.score(**{**CONTEXT, "completion": "1, 2, 3", "answer": [1, 2, 3]}).score == 1.0
+
+
+def test_the_llama3_json_parser_reads_bare_calls_and_flags_bad_ones():
+    from shared.tools import parse_llama3_json_calls
+
+    (call,) = parse_llama3_json_calls('<|python_tag|>{"name": "add", "parameters": {"a": 1}}')
+    assert (call.name, call.arguments, call.error) == ("add", {"a": 1}, None)
+    assert [c.name for c in parse_llama3_json_calls('{"name": "a", "parameters": {}}; {"name": "b", '
+                                                    '"arguments": {}}')] == ["a", "b"]
+    assert parse_llama3_json_calls("The answer is 5") == []
+    assert "not valid JSON" in parse_llama3_json_calls('{"name": "add", "parameters": {"a": 1,}}')[0].error
+    assert parse_llama3_json_calls('{"foo": 1}')[0].error == "no string 'name'"
+    with pytest.raises(ValueError, match="unknown tool_parser 'xml'"):
+        Environment(dataset=[], rubric=lambda completion: 1.0, tool_parser="xml")
