@@ -139,10 +139,10 @@ def _default(field) -> str:
     return f"`{value!r}`" if value is not None else "`None`"
 
 
-def _model_section(model: type, path: str, seen: dict[type, str]) -> list[str]:
-    """The section of ``model`` at ``path`` and of the models its fields hold; a model already shown elsewhere
-    gets a link to that section instead."""
-    level = "#" * min(2 + path.count("."), 4)
+def _model_section(model: type, path: str, seen: dict[type, str], depth: int = 0) -> list[str]:
+    """The section of ``model`` at ``path`` (``depth`` fields below the top level) and of the models its fields
+    hold; a model already shown elsewhere gets a link to that section instead."""
+    level = "#" * min(2 + depth, 4)
     if model in seen:
         anchor = re.sub(r"[^a-z0-9_]+", "", seen[model].lower().replace(".", ""))
         return [f"{level} `{path}`", "", f"`{model.__name__}`: the same fields as [`{seen[model]}`](#{anchor}).", ""]
@@ -157,7 +157,7 @@ def _model_section(model: type, path: str, seen: dict[type, str]) -> list[str]:
         nested += [(f"{path}.{name}{suffix}", m) for suffix, m in _models_in(field.annotation)]
     lines.append("")
     for sub, m in nested:
-        lines += _model_section(m, sub, seen)
+        lines += _model_section(m, sub, seen, depth + 1)
     return lines
 
 

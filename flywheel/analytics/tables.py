@@ -54,7 +54,7 @@ def _task_rows(t: Task) -> list[dict]:
 
 def _reward_rows(r: RewardEvent) -> list[dict]:
     row = r.model_dump(mode="json", by_alias=False, exclude={"schema_", "schema_version"})
-    for name in ("event_time", "verifier_kind", "components", "gates"):  # newer fields: NULL when absent
+    for name in ("event_time", "verifier_kind", "components", "gates", "metrics"):  # newer fields: NULL when absent
         row[name] = _given(r, name)
     row.update({k: float(r.cost.get(k, 0.0)) for k in COST_KEYS})
     return [row]
@@ -90,7 +90,7 @@ TABLES: tuple[TableSpec, ...] = (
         ("completion_tokens", "INTEGER"), ("finish_reason", "VARCHAR"), ("policy_version", "INTEGER"),
         ("cost", "JSON"), *((k, "DOUBLE") for k in COST_KEYS), ("completion_hash", "VARCHAR"),
         ("surprisal", "DOUBLE"), ("hacks", "VARCHAR[]"), ("event_time", "DOUBLE"), ("verifier_kind", "VARCHAR"),
-        ("components", "JSON"), ("gates", "VARCHAR[]")),
+        ("components", "JSON"), ("gates", "VARCHAR[]"), ("metrics", "JSON")),
         _reward_rows),
     TableSpec("metrics", topics.METRICS, Metrics, (
         ("name", "VARCHAR"), ("value", "DOUBLE"), ("source", "VARCHAR"), ("step", "BIGINT"),

@@ -21,7 +21,12 @@ log = logging.getLogger("flywheel")
 
 ConfigArg = Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="System config (YAML).")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override, e.g. budget.max_steps=5 (repeatable).")]
-RunDirOpt = Annotated[Optional[Path], typer.Option(help="Run directory (default: the config's run.dir).")]
+RunDirOpt = Annotated[Optional[Path], typer.Option(help=(
+    "Run directory (default: a new one under the config's run.dir: <run.dir>/<config name>-<date-time> for "
+    "`run`, <run.dir>/system for `up`)."))]
+SystemDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help=(
+    "The running system's run directory (default: the one the last `up` or `run` started from this working "
+    "directory recorded, .flywheel/current.json)."))]
 RetryOpt = Annotated[float, typer.Option(
     min=0.0, help="Seconds the CLI keeps retrying an unreachable scheduler (a restart) before it gives up.")]
 UrlOpt = Annotated[Optional[str], typer.Option(help="Scheduler URL (default: the running system's).")]

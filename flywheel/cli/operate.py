@@ -12,13 +12,13 @@ import orjson
 import typer
 
 from flywheel.cli.client import _call, _target, scheduler_client, submit_tasks
-from flywheel.cli.common import COMMAND_RETRY_S, RetryOpt, RunDirOpt, UrlOpt, _read_jsonl, console
+from flywheel.cli.common import COMMAND_RETRY_S, RetryOpt, SystemDirOpt, UrlOpt, _read_jsonl, console
 from shared.client import ApiError
 
 
 def submit_cmd(file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="JSONL: one task per line.")],
                url: Annotated[Optional[str], typer.Option(help="Scheduler URL (default: the running system's).")] = None,
-               run_dir: RunDirOpt = None, retry: RetryOpt = 120.0) -> None:
+               run_dir: SystemDirOpt = None, retry: RetryOpt = 120.0) -> None:
     """Post tasks from a JSONL file to a running system (with its token; retried through a restart)."""
     url, token = _target(url, run_dir)
     try:
@@ -30,7 +30,7 @@ def submit_cmd(file: Annotated[Path, typer.Argument(exists=True, dir_okay=False,
     console.print(f"submitted {len(ids)} tasks")
 
 
-def domains_cmd(run_dir: RunDirOpt = None,
+def domains_cmd(run_dir: SystemDirOpt = None,
                 url: Annotated[Optional[str], typer.Option(help="Scheduler URL (default: the running system's).")] = None,
                 json_: Annotated[bool, typer.Option("--json", help="Print GET /v1/domains as JSON.")] = False,
                 retry: RetryOpt = COMMAND_RETRY_S) -> None:
@@ -66,7 +66,7 @@ def _alert_rows(reply: dict, active_only: bool) -> list[tuple[bool, dict]]:
     return rows
 
 
-def alerts_cmd(run_dir: RunDirOpt = None, url: UrlOpt = None,
+def alerts_cmd(run_dir: SystemDirOpt = None, url: UrlOpt = None,
                active: Annotated[bool, typer.Option("--active", help="Only the alerts firing now.")] = False,
                domain: Annotated[Optional[str], typer.Option(help="Only this domain's alerts.")] = None,
                severity: Annotated[Optional[str], typer.Option(help="info, warning or critical.")] = None,
@@ -115,7 +115,7 @@ def control_cmd(
     kafka: Annotated[Optional[str], typer.Option(
         help="Publish the Control record straight onto flywheel.control at this bootstrap host:port "
              "(when the REST API is not reachable) instead of POST /v1/control.")] = None,
-    run_dir: RunDirOpt = None, url: UrlOpt = None, retry: RetryOpt = COMMAND_RETRY_S,
+    run_dir: SystemDirOpt = None, url: UrlOpt = None, retry: RetryOpt = COMMAND_RETRY_S,
 ) -> None:
     """Send an operator command to the drift monitor: POST /v1/control (prints what changed), or with --kafka a
     Control record on flywheel.control, which the scheduler applies when it reads it."""

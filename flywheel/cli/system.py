@@ -15,7 +15,7 @@ import orjson
 import typer
 
 from flywheel.cli.client import SchedulerApi, _call, _token_for, submit_tasks
-from flywheel.cli.common import ConfigArg, RetryOpt, RunDirOpt, SetOpt, _load, _pointer, _read_jsonl, _state, console
+from flywheel.cli.common import ConfigArg, RetryOpt, RunDirOpt, SetOpt, SystemDirOpt, _load, _pointer, _read_jsonl, _state, console
 from flywheel.launcher import LocalSystem
 from shared.config import ModelConfig
 from shared.model import SMOLLM2, resolve_model_dir
@@ -77,7 +77,7 @@ def up(config: ConfigArg, set_: SetOpt = None, run_dir: RunDirOpt = None,
         console.print("system stopped")
 
 
-def down(run_dir: RunDirOpt = None, timeout: float = 60.0) -> None:
+def down(run_dir: SystemDirOpt = None, timeout: float = 60.0) -> None:
     """Stop the running system (signals its supervisor, which stops every process by pid)."""
     st = _state(run_dir)
     pid = st["supervisor_pid"]
@@ -133,7 +133,7 @@ def prepare(config: Annotated[Optional[Path], typer.Argument(help="A job config 
     console.print(f"model {name}: {path} ({time.monotonic() - t0:.1f} s)")
 
 
-def status(run_dir: RunDirOpt = None, retry: RetryOpt = 5.0) -> None:
+def status(run_dir: SystemDirOpt = None, retry: RetryOpt = 5.0) -> None:
     """Show the running system's processes and the scheduler's status."""
     st = _state(run_dir)
     for name, pid in {"supervisor": st["supervisor_pid"], "broker": st["broker_pid"], **st["services"]}.items():

@@ -202,7 +202,7 @@ def _follow_training(system: LocalSystem, api: SchedulerApi, max_steps: int, dea
                 if ev.get("done") and ev["eval_round"] not in eval_rows:
                     eval_rows[ev["eval_round"]] = ev
                     progress.console.print(f"eval round {ev['eval_round']} at policy version "
-                                           f"{ev.get('policy_versions')}: accuracy {ev['accuracy']:.3f} (n={ev['n']})")
+                                           f"{ev.get('policy_versions')}: accuracy {_fmt(ev)}")
             step = min(st["policy_version"], max_steps)
             progress.update(bar, completed=step, info=_status_line(st, eval_rows))
             if lines and step != shown:
@@ -219,16 +219,20 @@ def _follow_training(system: LocalSystem, api: SchedulerApi, max_steps: int, dea
 
 
 def _status_line(st: dict, eval_rows: dict[int, dict]) -> str:
-    """One line of the progress bar from a ``GET /v1/status`` reply."""
+    """One line of the progress bar from a ``GET /v1/status`` reply; open breakers and critical alerts are named
+    at its end (a run whose breaker is open waits for its probe: the line says so)."""
     tr = st.get("trainer") or {}
     last_eval = max(eval_rows.values(), key=lambda e: e["eval_round"])["accuracy"] if eval_rows else None
     dropped = sum((st.get("dropped_groups") or {}).values())
+    guard = "".join(f" breaker {d} {b}" for d, b in sorted((st.get("breakers") or {}).items()))
+    critical = (st.get("alerts") or {}).get("critical", 0)
+    guard += f" critical alerts {critical} (flywheel alerts)" if critical else ""
     return (f"v{st['policy_version']} reward {tr.get('train/reward_mean', float('nan')):.2f} "
             f"pass {st.get('train_reward_mean') or 0:.2f} stale {st['staleness']['mean'] or 0:.2f} "
             f"eval {'-' if last_eval is None else f'{last_eval:.2f}'} in-flight {st['in_flight_groups']} "
             f"dropped {dropped} "
             f"kl {tr.get('loss/kl_behaviour', 0.0):.3f} ent {tr.get('loss/entropy', 0.0):.2f} "
-            f"clip {tr.get('loss/clip_frac', 0.0):.2f} gnorm {tr.get('train/grad_norm', 0.0):.1f}")
+            f"clip {tr.get('loss/clip_frac', 0.0):.2f} gnorm {tr.get('train/grad_norm', 0.0):.1f}{guard}")
 
 
 def _final_eval(system: LocalSystem, api: SchedulerApi, max_steps: int, deadline: float) -> dict:

@@ -330,3 +330,15 @@ def test_opening_the_store_waits_while_a_reader_holds_the_file(tmp_path):
     with pytest.raises(duckdb.IOException, match="not a valid DuckDB database"):
         Store(bad).open(lock_wait_s=30)
     assert time.monotonic() - t0 < 5  # only a held lock is waited for
+
+
+def test_a_user_environments_reward_metrics_are_a_json_column_of_rewards():
+    """``RewardEvent.metrics`` (each reward function's value and named metric) is ingested as JSON; a record
+    written before the field existed gives NULL, not ``{}``."""
+    from flywheel.analytics.tables import TABLES
+
+    spec = next(t for t in TABLES if t.name == "rewards")
+    assert ("metrics", "JSON") in spec.columns
+    row = spec.rows(reward(0, metrics={"sorted_answer": 0.5, "brevity.chars": 7.0}))[0]
+    assert row["metrics"] == {"sorted_answer": 0.5, "brevity.chars": 7.0}
+    assert spec.rows(reward(1))[0]["metrics"] is None
