@@ -87,7 +87,7 @@ def encode_with_tools(tokenizer, messages: list[dict[str, str]], schemas: list[d
 
 def _context(task: Task, state: dict[str, Any]) -> dict[str, Any]:
     spec = task.verifier
-    return {"state": state, "task": {**spec.row, "answer": spec.answer, "info": spec.info},
+    return {"state": state, "task": spec.task,
             "prompt": [m.model_dump() for m in task.prompt], "answer": spec.answer, "info": spec.info}
 
 
@@ -101,7 +101,7 @@ async def _observe(env: Environment, task: Task, ro: EnvRollout, turn: int) -> t
     text = ro.rollout.turns[-1]["text"]
     calls = PARSERS[env.tool_parser](text) if env.tools else []
     if calls:
-        injected = {"state": ro.state, "task": _context(task, ro.state)["task"]}
+        injected = {"state": ro.state, "task": task.verifier.task}
         results = await asyncio.gather(*(call_tool(env.tools, c.name, c.arguments, c.error, injected,
                                                    env.hook_timeout_s) for c in calls))
         return "tool", "\n\n".join(results), [{"name": c.name, "arguments": c.arguments, "error": c.error}

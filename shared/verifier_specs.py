@@ -521,6 +521,11 @@ class EnvironmentSpec(_Spec):
         check_size(v, MAX_SPEC_JSON_BYTES, info.field_name)
         return v
 
+    @property
+    def task(self) -> dict[str, Any]:
+        """The row as the environment's hooks and rewards get it (their ``task`` argument)."""
+        return {**self.row, "answer": self.answer, "info": self.info}
+
 
 def _flatten_params(v: Any) -> Any:
     """``{kind, params: {...}, recipe?}`` → ``{kind, ...params, recipe?}`` (both forms are accepted)."""

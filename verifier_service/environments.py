@@ -32,6 +32,17 @@ LOAD_RETRY_S = 30.0
 """An environment that failed to load is not tried again for this long (seconds): its calls fail at once."""
 
 
+def kill_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """Stop ``pool`` now: kill its workers (one may be stuck in user or library code that never returns) and shut
+    it down without waiting; its pending futures are cancelled."""
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        try:
+            proc.kill()
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
 def _worker_load(key: str) -> dict[str, Any]:
     """In a pool process: import the environment (once per process); the error when it cannot be loaded."""
     try:
@@ -75,7 +86,7 @@ class EnvironmentScorer:
         rollout = {k: v for k, v in (rollout or {}).items() if v is not None}
         context = orjson.dumps({"prompt": prompt or spec.row.get("prompt", []), "completion": completion,
                                 "answer": spec.answer, "info": spec.info, "state": {}, "tool_calls": [],
-                                "turns": [], "task": {**spec.row, "answer": spec.answer, "info": spec.info},
+                                "turns": [], "task": spec.task,
                                 **rollout})
         try:
             pool = await self._pool(key)
@@ -132,12 +143,7 @@ class EnvironmentScorer:
     def _kill(self, key: str, pool: concurrent.futures.ProcessPoolExecutor) -> None:
         if self._pools.get(key) is pool:
             del self._pools[key]
-        for proc in list((getattr(pool, "_processes", None) or {}).values()):
-            try:
-                proc.kill()
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        pool.shutdown(wait=False, cancel_futures=True)
+        kill_pool(pool)
 
     async def close(self) -> None:
         for key, pool in list(self._pools.items()):

@@ -46,7 +46,7 @@ from shared.schemas import Reward
 from verifier_service import deterministic as det
 from verifier_service.config import VerifierConfig
 from verifier_service.deterministic import CheckResult, infra, ok_if
-from verifier_service.environments import EnvironmentScorer
+from verifier_service.environments import EnvironmentScorer, kill_pool
 from verifier_service.extract import (
     clip, extract_code, math_candidates, normalise_math_text, stated_answer, strip_reasoning,
 )
@@ -410,12 +410,7 @@ class Scorer:
     def _kill_pool(self, pool: concurrent.futures.ProcessPoolExecutor) -> None:
         if self._pool is pool:
             self._pool = None
-        for proc in list((getattr(pool, "_processes", None) or {}).values()):
-            try:
-                proc.kill()
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        pool.shutdown(wait=False, cancel_futures=True)
+        kill_pool(pool)
 
     async def score_math(self, spec: MathSpec, completion: str) -> CheckResult:
         """math-verify equivalence of the gold and the model answer, bounded by ``math_timeout_s``.

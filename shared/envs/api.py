@@ -28,6 +28,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from shared.envs.tools import tool_schema
+from shared.tools import PARSERS
+
 REWARD_ARGS = ("prompt", "completion", "answer", "info", "state", "task", "tool_calls", "turns")
 """Names a reward function may take."""
 
@@ -209,8 +212,6 @@ class Environment:
     tool_parser: str = "hermes"
 
     def __post_init__(self) -> None:
-        from shared.envs.tools import tool_schema
-
         if not isinstance(self.rubric, Rubric):
             self.rubric = Rubric(list(self.rubric) if isinstance(self.rubric, (list, tuple)) else [self.rubric])
         self.tools = list(self.tools)
@@ -219,8 +220,6 @@ class Environment:
         for hook in ("setup", "env_response", "cleanup"):
             if getattr(self, hook) is not None and not callable(getattr(self, hook)):
                 raise TypeError(f"{hook} must be callable")
-        from shared.tools import PARSERS
-
         if self.tool_parser not in PARSERS:
             raise ValueError(f"unknown tool_parser {self.tool_parser!r}; known: {sorted(PARSERS)}")
         if self.max_turns is None:
@@ -234,6 +233,4 @@ class Environment:
         return bool(self.tools) or self.env_response is not None
 
     def tool_schemas(self) -> list[dict[str, Any]]:
-        from shared.envs.tools import tool_schema
-
         return [tool_schema(t) for t in self.tools]

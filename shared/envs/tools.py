@@ -59,6 +59,23 @@ def tool_schema(func: Callable) -> dict[str, Any]:
         raise TypeError(f"tool {tool_name(func)!r}: {e}") from None
 
 
+@functools.lru_cache(maxsize=1024)
+def _parameters(func: Callable) -> dict[str, inspect.Parameter]:
+    """``func``'s parameters (cached: a tool or hook is called once per turn of every rollout)."""
+    return dict(inspect.signature(func).parameters)
+
+
+async def _bounded(func: Callable, kwargs: dict[str, Any], timeout_s: float) -> Any:
+    """``func(**kwargs)``, a sync one in a worker thread, bounded by ``timeout_s``.
+
+    Raises:
+        asyncio.TimeoutError: past it (a sync function keeps its thread until it returns); whatever it raises.
+    """
+    if inspect.iscoroutinefunction(func):
+        return await asyncio.wait_for(func(**kwargs), timeout=timeout_s)
+    return await asyncio.wait_for(asyncio.to_thread(func, **kwargs), timeout=timeout_s)
+
+
 def _clip_middle(text: str, n: int = OBSERVATION_CHARS) -> str:
     return text if len(text) <= n else text[: n // 2] + "\n...[cut]...\n" + text[-n // 2:]
 
@@ -85,7 +102,7 @@ async def call_tool(tools: Sequence[Callable], name: str | None, arguments: dict
     if name not in by_name:
         return f"error: unknown tool {name!r}; available: {sorted(by_name)}"
     func = by_name[name]
-    params = inspect.signature(func).parameters
+    params = _parameters(func)
     given = {k: v for k, v in arguments.items() if k not in INJECTED}
     unknown = sorted(set(given) - set(params))
     missing = sorted(p.name for p in params.values() if p.default is p.empty and p.name not in given
@@ -95,10 +112,7 @@ async def call_tool(tools: Sequence[Callable], name: str | None, arguments: dict
                                                            missing and f"needs argument(s) {missing}"]))
     kwargs = {**given, **{k: v for k, v in injected.items() if k in params}}
     try:
-        if inspect.iscoroutinefunction(func):
-            result = await asyncio.wait_for(func(**kwargs), timeout=timeout_s)
-        else:
-            result = await asyncio.wait_for(asyncio.to_thread(func, **kwargs), timeout=timeout_s)
+        result = await _bounded(func, kwargs, timeout_s)
     except asyncio.TimeoutError:
         return f"error: {name} did not finish within {timeout_s:g} s"
     except Exception as e:  # noqa: BLE001 - the user's tool: the model sees what went wrong
@@ -118,14 +132,12 @@ async def call_hook(func: Callable, context: dict[str, Any], timeout_s: float) -
     Raises:
         HookError: it raised or timed out (the message names the function).
     """
-    params = inspect.signature(func).parameters
+    params = _parameters(func)
     takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
     kwargs = context if takes_all else {k: v for k, v in context.items() if k in params}
     name = tool_name(func)
     try:
-        if inspect.iscoroutinefunction(func):
-            return await asyncio.wait_for(func(**kwargs), timeout=timeout_s)
-        return await asyncio.wait_for(asyncio.to_thread(func, **kwargs), timeout=timeout_s)
+        return await _bounded(func, kwargs, timeout_s)
     except asyncio.TimeoutError:
         raise HookError(f"environment hook {name} did not finish within {timeout_s:g} s") from None
     except Exception as e:  # noqa: BLE001 - the user's code
