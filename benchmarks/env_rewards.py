@@ -1,12 +1,14 @@
 """User environments' rewards through the verifier: rewards per second of a trivial Python reward (the
 ``environment`` kind, run in the environment's process pool) beside the built-in ``exact`` kind, same run.
 
-    python benchmarks/env_rewards.py [--seconds 5] [--batch 64] [--workers 2]
+    python benchmarks/env_rewards.py [--seconds 5] [--batch 64] [--workers 2] [--reward-batch-size 64]
 
 Both are driven the way the service drives them: batches of ``--batch`` concurrent ``Scorer.score`` calls (the
 service's ``max_batch`` records per poll), for ``--seconds``, alternating a right and a wrong answer. The
-recipe is correctness alone (no truncation gate), so the figures compare the kinds' own cost. Target on 2
-cores: >= 5,000 rewards/s for the environment kind. Prints the CPU, a table and one JSON line.
+recipe is correctness alone (no truncation gate), so the figures compare the kinds' own cost. The environment's
+calls reach its ``--workers`` processes at most ``--reward-batch-size`` per message (``verifier.reward_batch_size``;
+1 = one round trip per call). Target on 2 cores: >= 5,000 rewards/s for the environment kind. Prints the CPU, a
+table and one JSON line.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ async def _rate(scorer: Scorer, spec, seconds: float, batch: int) -> tuple[float
     return done / (time.perf_counter() - t0), bad
 
 
-async def main(seconds: float, batch: int, workers: int) -> dict:
+async def main(seconds: float, batch: int, workers: int, reward_batch_size: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "bench_env.py"
         path.write_text(ENV)
@@ -63,13 +65,14 @@ async def main(seconds: float, batch: int, workers: int) -> dict:
         exact = adapter.validate_python({"kind": "exact", "answer": "42", "recipe": RECIPE})
         env = adapter.validate_python({"kind": "environment", "environment": {"path": str(path)}, "answer": "42",
                                        "recipe": RECIPE})
-        scorer = Scorer(VerifierConfig(reward_workers=workers))
+        scorer = Scorer(VerifierConfig(reward_workers=workers, reward_batch_size=reward_batch_size))
         try:
             exact_rate, exact_bad = await _rate(scorer, exact, seconds, batch)
             env_rate, env_bad = await _rate(scorer, env, seconds, batch)
         finally:
             await scorer.close()
     return {"cpu": cpu_model(), "features": cpu_features(), "batch": batch, "reward_workers": workers,
+            "reward_batch_size": reward_batch_size,
             "exact_per_s": round(exact_rate), "environment_per_s": round(env_rate),
             "environment_vs_exact": round(env_rate / exact_rate, 3), "wrong_scores": exact_bad + env_bad,
             "target_environment_per_s": 5000}
@@ -80,8 +83,9 @@ if __name__ == "__main__":
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--reward-batch-size", type=int, default=VerifierConfig().reward_batch_size)
     a = ap.parse_args()
-    out = asyncio.run(main(a.seconds, a.batch, a.workers))
+    out = asyncio.run(main(a.seconds, a.batch, a.workers, a.reward_batch_size))
     print(f"CPU: {out['cpu']} ({out['features']})")
     print(f"{'kind':<14}{'rewards/s':>12}")
     print(f"{'exact':<14}{out['exact_per_s']:>12,}")

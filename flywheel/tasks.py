@@ -7,15 +7,13 @@ Held-out items are disjoint from training items by normalised prompt text (DESIG
 from __future__ import annotations
 
 import hashlib
-import re
-from pathlib import Path
 from typing import Any, Literal
-
-import orjson
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared.envs import EnvironmentRef
+from shared.envs.tasks import environment_name, row_task, split_rows
+from shared.envs.tasks import norm_text as _norm
 from shared.verifier_specs import Recipe
 
 
@@ -73,10 +71,6 @@ class TaskSourceConfig(BaseModel):
     from ``domains[].params.recipe`` (``flywheel.domains``)."""
     seed: int = 0
     """Seed of the generator."""
-
-
-def _norm(text: str) -> str:
-    return re.sub(r"\s+", " ", text.strip().lower())
 
 
 def _task(task_id: str, domain: str, question: str, verifier: dict, cfg: TaskSourceConfig, split: str,
@@ -164,60 +158,26 @@ def _mixture_tasks(cfg: TaskSourceConfig) -> list[dict]:
     return out
 
 
-def environment_name(ref: EnvironmentRef, env_name: str | None) -> str:
-    """The domain name of an environment's tasks: its own ``name``, else the id, module or file stem."""
-    if env_name:
-        return env_name
-    if ref.id:
-        return ref.id
-    if ref.module:
-        return ref.module.split(":")[0].rsplit(".", 1)[-1]
-    return Path(ref.path.split(":")[0]).stem
-
-
 def environment_tasks(cfg: TaskSourceConfig) -> list[dict]:
-    """The tasks of ``cfg.environment``: held-out ones first, then training ones (see the field's docstring).
+    """The tasks of ``cfg.environment``: held-out ones first, then training ones (see the field's docstring), made
+    from its rows by :mod:`shared.envs.tasks` (as the scheduler makes an environment domain's).
 
     Raises:
         shared.envs.EnvironmentLoadError: the environment cannot be imported or built.
         shared.envs.DatasetError: a dataset cannot be read or a row lacks a prompt or a mapped column.
         ValueError: no ``environment`` given, or no training row left.
     """
-    import random
-
-    from shared.envs import load_environment, load_rows
+    from shared.envs import load_environment
 
     if cfg.environment is None:
         raise ValueError("tasks.kind environment needs tasks.environment: {id | module | path, args}")
     ref = cfg.environment.resolved()
     env = load_environment(ref)
     name = environment_name(ref, env.name)
-    rows = load_rows(env.dataset, env.columns)
-    random.Random(cfg.seed).shuffle(rows)
-    if env.eval_dataset is not None:
-        held = load_rows(env.eval_dataset, env.columns, split="test")[:cfg.eval_size]
-    else:
-        held, rows = rows[:cfg.eval_size], rows[cfg.eval_size:]
-    seen = {_norm(r["prompt"][-1]["content"]) for r in held}
-    train = [r for r in rows if _norm(r["prompt"][-1]["content"]) not in seen][:cfg.train_size]
+    held, train = split_rows(env, cfg.eval_size, cfg.seed)
+    train = train[:cfg.train_size]
     if not train:
         raise ValueError(f"environment {name!r}: no training rows left after {len(held)} held-out ones")
-    loop = {"tools": [t.__name__ for t in env.tools], "max_turns": env.max_turns} if env.multi_turn else {}
-    return [{**_environment_task(ref, env.system_prompt, name, row, split, cfg), **loop}
+    recipe = cfg.recipe.model_dump(mode="json", exclude_none=True) if cfg.recipe is not None else None
+    return [row_task(ref, env, name, row, split, cfg.samples_per_task, recipe)
             for split, part in (("eval", held), ("train", train)) for row in part]
-
-
-def _environment_task(ref: EnvironmentRef, system_prompt: str | None, name: str, row: dict, split: str,
-                      cfg: TaskSourceConfig) -> dict:
-    prompt = row["prompt"]
-    if system_prompt and prompt[0]["role"] != "system":
-        prompt = [{"role": "system", "content": system_prompt}, *prompt]
-    rest = {k: v for k, v in row.items() if k not in ("prompt", "question", "answer", "info")}
-    verifier = {"kind": "environment", "environment": ref.model_dump(mode="json", exclude_none=True),
-                "answer": row["answer"], "info": row["info"], "row": rest}
-    if cfg.recipe is not None:
-        verifier["recipe"] = cfg.recipe.model_dump(mode="json", exclude_none=True)
-    digest = hashlib.sha1(orjson.dumps(prompt)).hexdigest()[:12]
-    return {"task_id": f"{name}-{split}-{digest}", "domain": name, "prompt": prompt, "verifier": verifier,
-            "samples_per_task": cfg.samples_per_task, "split": split, "difficulty": 0.0,
-            "metadata": {"environment": name}}

@@ -36,6 +36,7 @@ from sandbox_service.isolation import Capabilities
 from sandbox_service.isolation import isolation_layers
 from sandbox_service.metrics import PoolReading, SandboxMetrics
 from sandbox_service.schemas import ExecuteRequest, ExecuteResult, Status, TestResult
+from sandbox_service.uids import UidClaim
 
 log = logging.getLogger("sandbox.pool")
 
@@ -120,8 +121,8 @@ class WorkerHandle:
     """One worker process and its pipes."""
 
     def __init__(self, index: int, cfg: SandboxConfig, layers: list[str], caps: Capabilities,
-                 cgroup: str | None) -> None:
-        self.index = index
+                 cgroup: str | None, uid: int | None = None) -> None:
+        self.index, self.uid = index, uid
         self.cfg, self.layers, self.caps, self.cgroup = cfg, layers, caps, cgroup
         self.name = f"{os.getpid()}-slot{index}-{uuid.uuid4().hex[:6]}"
         self.proc: asyncio.subprocess.Process | None = None
@@ -137,8 +138,8 @@ class WorkerHandle:
         python = self.cfg.python or sys.executable
         args = [python, "-s", "-B", "-m", "sandbox_service.worker", "--slot", self.name, "--layers", ",".join(self.layers),
                 "--landlock-abi", str(self.caps.landlock_abi), "--python", python, "--cpu-cores", str(self.cfg.cpu_cores)]
-        if "uid" in self.layers and self.cfg.uid_base is not None:
-            args += ["--uid", str(self.cfg.uid_base + self.index)]
+        if "uid" in self.layers and self.uid is not None:
+            args += ["--uid", str(self.uid)]
         if self.cgroup:
             args += ["--cgroup", self.cgroup]
         env = {"PATH": _SAFE_PATH, "LANG": "C.UTF-8", "PYTHONPATH": _PKG_ROOT}  # nothing of the service's own
@@ -293,11 +294,15 @@ class Pool:
         """Prometheus families (``GET /metrics``): the latency histogram, and this pool's state read when scraped."""
         self._tasks: set[asyncio.Task] = set()
         self._cleanups: set[asyncio.Task] = set()
+        self.uids: UidClaim | None = None
+        """The slots' uids, claimed at :meth:`start` (``None`` without the ``uid`` layer)."""
         self._canary_wire = self._wire(ExecuteRequest(code="pass", timeout_s=5.0, memory_mb=64, max_processes=4,
                                                       disk_mb=1, output_limit_bytes=1024), "canary")
 
     async def start(self) -> None:
         """Start every worker. Raises RuntimeError when none starts (the reason of the first failure)."""
+        if "uid" in self.layers:
+            self.uids = UidClaim(self.cfg.uid_base, self.cfg.max_concurrency)
         stale = await asyncio.to_thread(remove_stale_leftovers, self.cgroup)
         if stale:
             log.info("removed the leftovers of %d workers of sandbox services that are gone", stale)
@@ -330,7 +335,8 @@ class Pool:
                     log.error("sandbox worker %s failed its health check; replaced", w.name)
 
     async def _spawn(self, index: int) -> WorkerHandle:
-        w = WorkerHandle(index, self.cfg, self.layers, self.caps, self.cgroup)
+        w = WorkerHandle(index, self.cfg, self.layers, self.caps, self.cgroup,
+                         self.uids.uids[index] if self.uids else None)
         try:
             await w.start()
         except WorkerFailure:
@@ -569,3 +575,5 @@ class Pool:
             if w.proc is not None:
                 await w.proc.wait()
             await asyncio.to_thread(remove_worker_leftovers, w.name, self.cgroup)
+        if self.uids is not None:
+            self.uids.release()

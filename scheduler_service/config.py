@@ -5,6 +5,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.config import BudgetConfig, Settings, moved_keys
+from shared.envs.loading import EnvironmentRef
 from shared.jsoncheck import check_json, check_size
 from shared.topics import DEFAULT_POOL, POOL_PATTERN
 
@@ -263,11 +264,21 @@ class DomainConfig(BaseModel):
     """``module`` or ``module:function`` (default function ``make``): ``make(n, seed, split, **params)``
     returns task bodies. The scheduler calls it to make the training tasks of a level when the domain
     enters it (``tasks_per_level``) or runs out of live ones, and ``eval_size`` held-out tasks once."""
+    environment: EnvironmentRef | None = None
+    """A user's environment (``{id | module | path, args}``, docs/guides/environments.md) whose dataset rows are
+    the domain's tasks, made by the scheduler as a generator's are: ``eval_size`` held-out rows once, then
+    ``tasks_per_level`` training rows at a time at the current level until its rows run out. The rows are shuffled
+    with ``scheduler.seed``; held-out rows come from the environment's ``eval_dataset`` when it has one, else
+    from the dataset, kept disjoint from the training rows by prompt. Levels: without ``levels``, one level holds
+    every row; with them, each level gives a ``difficulty`` range and holds the rows whose ``difficulty`` column
+    (a number, 0 when absent) is in it. A relative ``path`` is read from the scheduler's working directory (under
+    ``flywheel run``, the run directory: give it absolute). Not together with a ``generator`` of your own: the
+    domain's ``generator`` reads ``scheduler_service.generate:environment_tasks``."""
     params: Annotated[dict[str, Any], AfterValidator(_check_params)] = Field(default_factory=dict)
     """Generator keyword arguments common to every level."""
     tasks_per_level: int = Field(32, ge=1, le=100_000)
     eval_size: int = Field(0, ge=0, le=100_000)
-    """Held-out tasks the generator makes at ``eval_level`` (generator domains only)."""
+    """Held-out tasks the generator makes at ``eval_level`` (generator and environment domains only)."""
     eval_level: int = Field(0, ge=0, le=63)
     samples_per_task: int | None = Field(None, ge=2, le=1024)
     """K of the domain's training groups (``None``: each task's own ``samples_per_task``)."""
@@ -291,6 +302,7 @@ class DomainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _levels(self) -> "DomainConfig":
+        self._environment()
         n = len(self.levels) if self.levels else 1
         if self.level >= n:
             raise ValueError(f"level {self.level} does not exist: the domain has {n} level(s)")
@@ -298,9 +310,34 @@ class DomainConfig(BaseModel):
             raise ValueError(f"eval_level {self.eval_level} does not exist: the domain has {n} level(s)")
         if self.curriculum.mode == "adaptive" and n < 2:
             raise ValueError("curriculum.mode adaptive needs at least two levels")
-        if self.eval_size and not self.generator:
-            raise ValueError("eval_size needs a generator (fixed-data domains submit their held-out tasks)")
+        if self.eval_size and not self.makes_tasks:
+            raise ValueError("eval_size needs a generator or an environment (fixed-data domains submit their "
+                             "held-out tasks)")
         return self
+
+    def _environment(self) -> None:
+        """Check an environment domain's fields.
+
+        Raises:
+            ValueError: ``environment`` with a generator, with generator ``params``, or with levels that give no
+                ``difficulty`` range.
+        """
+        if self.environment is None:
+            return
+        if self.generator is not None:
+            raise ValueError(f"environment and generator {self.generator!r} are mutually exclusive: an "
+                             "environment's rows are the domain's tasks")
+        if self.params or any(lv.params for lv in self.levels or []):
+            raise ValueError("params are a generator's arguments: an environment takes its own as environment.args")
+        if self.levels and any(lv.difficulty is None for lv in self.levels):
+            raise ValueError("every level of an environment domain needs a difficulty range [lo, hi] over the rows' "
+                             "difficulty column")
+
+    @property
+    def makes_tasks(self) -> bool:
+        """Whether the scheduler makes this domain's tasks (from its ``generator`` or its ``environment``'s
+        rows) rather than being sent them."""
+        return self.generator is not None or self.environment is not None
 
     def level_params(self, level: int) -> dict[str, Any]:
         """The generator's keyword arguments at ``level``: ``params`` with the level's merged over them."""

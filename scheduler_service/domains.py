@@ -233,16 +233,30 @@ class DomainTables:
         """Apply the config file's ``domains``: an unknown domain, or one whose entry changed since it was
         last applied, takes the file's config; otherwise the stored one (REST changes) is kept.
 
+        An environment domain about to be (re)applied is checked first
+        (:func:`scheduler_service.generate.check_environment`), so a config naming an environment that cannot be
+        loaded stops the scheduler at start, naming the domain, and changes nothing.
+
         Returns:
             The names whose config was (re)applied.
+
+        Raises:
+            ValueError: an environment domain cannot be loaded (the message names ``domains.<name>.<field>`` and
+                the module, file, attribute or column).
         """
+        from scheduler_service.generate import check_environment
+
+        todo = {name: cfg for name, cfg in domains.items()
+                if name not in self._domains or self._domains[name].applied != config_hash(cfg)}
+        problems = [f"domains.{name}.{'.'.join(map(str, loc))}: {msg}"
+                    for name, cfg in todo.items() for loc, msg in check_environment(name, cfg)]
+        if problems:
+            raise ValueError("the config's domains cannot be applied: " + "; ".join(problems))
         done = []
         with self._tx() as db:
-            for name, cfg in domains.items():
+            for name, cfg in todo.items():
                 h = config_hash(cfg)
                 old = self._domains.get(name)
-                if old is not None and old.applied == h:
-                    continue
                 self._write_domain(db, name, cfg, applied=h, keep_applied=False)
                 self._on_config_change(db, name, old.config if old else None, cfg)
                 done.append(name)
@@ -254,7 +268,7 @@ class DomainTables:
         if old is not None and old.level != new.level:
             db.execute("UPDATE domains SET recent_pass = NULL, level_samples = 0 WHERE domain = ?", (name,))
             self._event(db, name, "level", old=old.level, new=new.level, by="config")
-        if new.generator is None and (old is None or old.levels != new.levels):
+        if not new.makes_tasks and (old is None or old.levels != new.levels):
             self._relevel(db, name, new)
 
     def _relevel(self, db: sqlite3.Connection, name: str, cfg: DomainConfig) -> None:

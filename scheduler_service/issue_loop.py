@@ -139,7 +139,7 @@ class IssueLoop:
         if now - self._starved_at < 1.0:
             return
         self._starved_at = now
-        rows = {d: r for d, r in self.registry.domain_rows().items() if r.config.generator and r.issuable}
+        rows = {d: r for d, r in self.registry.domain_rows().items() if r.config.makes_tasks and r.issuable}
         live = self.registry.next_train_tasks({d: (r.config.level, 1) for d, r in rows.items()})
         starved = {d for d, c in live.items() if not c}
         if not any(self.maker.needs(r, d in starved) for d, r in rows.items()):
@@ -228,7 +228,7 @@ class IssueLoop:
         reasons = None
         if idle and (self._making is None or self._making.done()):
             rows = self.registry.domain_rows()
-            making = {d for d, r in rows.items() if r.config.generator and r.issuable and d not in self.maker.failed
+            making = {d for d, r in rows.items() if r.config.makes_tasks and r.issuable and d not in self.maker.failed
                       and self.maker.needs(r, True)}
             reasons = self.planner.stall_reasons(making, set(self.maker.failed))
         alerts = self.stall.observe(reasons, self.registry.policy_version)

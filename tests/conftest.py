@@ -26,6 +26,22 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.e2e)
 
 
+DEFAULT_TIER = "not slow and not e2e"
+"""The default tier's marker expression (``addopts`` in pyproject.toml)."""
+MAX_WORKERS = 4
+"""Most test processes of ``-n auto``: most default-tier tests wait on a broker, a sandbox or a timeout rather
+than compute, but each starts processes of its own."""
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (pyproject's ``addopts``): the default tier runs one test file per core (``--dist loadfile``
+    keeps a module's fixtures in one process), up to :data:`MAX_WORKERS`; any other tier (e2e, slow: each test
+    takes the whole machine) runs one test at a time. An explicit ``-n N`` wins."""
+    if (config.getoption("markexpr") or "").strip() != DEFAULT_TIER:
+        return 0
+    return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
+
+
 SESSION_ENV = "FLYWHEEL_TEST_SESSION"
 """Environment variable every process started by a test run inherits: its value names the run, so processes it
 left behind are found even after their parent died and they were re-parented."""

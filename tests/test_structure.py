@@ -7,6 +7,7 @@ the middle and independent of each other, ``shared`` (contracts and helpers) at 
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import subprocess
 import sys
@@ -29,23 +30,44 @@ def test_import_linter_contracts_are_kept():
     assert "1 kept, 0 broken" in r.stdout, r.stdout[-2000:]
 
 
-def _project_modules_after(code: str) -> set[str]:
-    r = subprocess.run([sys.executable, "-c", f"{code}\nimport sys\n"
-                        f"print('\\n'.join(m for m in sys.modules if m.split('.')[0] in {PACKAGES!r}))"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return set(r.stdout.split())
+def _probe(code: str) -> subprocess.Popen:
+    """A fresh interpreter that runs ``code`` and prints the project modules it then holds."""
+    return subprocess.Popen([sys.executable, "-c", f"{code}\nimport sys\n"
+                             f"print('\\n'.join(m for m in sys.modules if m.split('.')[0] in {PACKAGES!r}))"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _imports_of_each_process() -> dict[str, tuple[int, set[str], str]]:
+    """``{what: (exit code, project modules loaded, stderr)}`` for ``shared.config`` and each service's entry
+    modules, the interpreters run side by side (each import is seconds of CPU)."""
+    codes = {"shared": "import shared.config", **{s: f"import {s}.main, {s}.config" for s in SERVICES}}
+    procs = {what: _probe(code) for what, code in codes.items()}
+    found = {}
+    for what, proc in procs.items():
+        try:
+            out, err = proc.communicate(timeout=180)
+        finally:
+            proc.kill()
+        found[what] = (proc.returncode, set(out.split()), err[-3000:])
+    return found
+
+
+def _project_modules_after(what: str) -> set[str]:
+    code, loaded, err = _imports_of_each_process()[what]
+    assert code == 0, err
+    return loaded
 
 
 def test_the_shared_config_imports_no_service_and_no_driver_module():
-    loaded = _project_modules_after("import shared.config")
+    loaded = _project_modules_after("shared")
     assert loaded and all(m == "shared" or m.startswith("shared.") for m in loaded), sorted(loaded)
 
 
 @pytest.mark.parametrize("service", SERVICES)
 def test_a_service_process_loads_only_its_own_package_and_shared(service):
     """``python -m <service>`` imports its ``main`` and ``config``: no other service's code, no driver code."""
-    loaded = _project_modules_after(f"import {service}.main, {service}.config")
+    loaded = _project_modules_after(service)
     foreign = {m for m in loaded if m.split(".")[0] not in (service, "shared")}
     assert not foreign, sorted(foreign)
 

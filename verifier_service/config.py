@@ -57,8 +57,17 @@ class VerifierConfig(BaseModel):
     """Processes per user environment that run its reward functions (``environment`` kind): each environment
     gets its own pool, so a slow or stuck reward holds up only its own domain."""
     reward_timeout_s: float = Field(30.0, gt=0, le=600)
-    """Bound of one call of an environment's rubric (seconds); past it the call is an infrastructure error and
-    the environment's pool is restarted."""
+    """Bound of one call of an environment's rubric (seconds), counted from when its worker starts it (time
+    queued for a worker is not counted); past it the call is an infrastructure error and that worker is killed
+    and replaced (the calls of its batch not yet scored go back to the queue)."""
+    reward_batch_size: int = Field(64, ge=1, le=4096)
+    """Most calls of one environment sent to a worker process in one message. Calls are batched only as far as
+    they queue (an idle worker takes an even share of the calls waiting), so a lone call is sent at once; 1
+    sends every call on its own (slower for cheap rewards: one round trip per call)."""
+    reward_batch_wait_ms: float = Field(0.0, ge=0, le=1000)
+    """How long calls that arrive while a worker is idle wait for more before they are sent (milliseconds),
+    unless ``reward_batch_size`` of them queue first; 0 sends them at the end of the event loop's step (the
+    service scores a poll's records concurrently, so they queue together anyway)."""
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     """The judge endpoint used by recipes with a ``judge`` rubric."""
     recipes: dict[str, Recipe] = Field(default_factory=dict)

@@ -40,7 +40,9 @@ def run(
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the services too, not only Ctrl-C
     t0 = time.monotonic()
     extra = _read_jsonl(submit) if submit else []
-    tasks = config_tasks(_load(config, set_)[0]) + extra  # before anything starts
+    loaded = _load(config, set_)[0]
+    tasks = config_tasks(loaded) + extra  # before anything starts
+    check_environment_domains(loaded)
     system, cfg = _start(config, set_, run_dir, fresh=True)
     try:
         result = _train(system, cfg, t0, timeout, tasks, retry_s=retry, report=report)
@@ -144,6 +146,27 @@ def config_tasks(cfg) -> list[dict]:
     except ValueError as e:  # EnvironmentLoadError and DatasetError included
         console.print(f"[red]the tasks cannot be made: {e}[/]")
         raise typer.Exit(2) from None
+
+
+def check_environment_domains(cfg) -> None:
+    """Load every ``domains.<name>.environment`` as the scheduler will (:func:`scheduler_service.generate.
+    check_environment`), before anything starts: one that cannot be imported or built, a dataset that cannot be
+    read or lacks a column, or a relative ``path`` (the scheduler runs in the run directory, where it would name
+    another file) stops the command here (exit 2), naming the domain, the field and the module, file or column."""
+    from scheduler_service.generate import check_environment
+
+    problems = []
+    for name, dom in cfg.domains.items():
+        ref = dom.environment
+        if ref is not None and ref.path and not Path(ref.path.split(":")[0]).expanduser().is_absolute():
+            problems.append(f"domains.{name}.environment.path {ref.path!r} is relative: the scheduler runs in the "
+                            "run directory, so give an absolute path (or a module or an installed id)")
+            continue
+        problems += [f"domains.{name}.{'.'.join(map(str, loc))}: {msg}" for loc, msg in check_environment(name, dom)]
+    if problems:
+        for p in problems:
+            console.print(f"[red]the domains cannot be made: {p}[/]")
+        raise typer.Exit(2)
 
 
 def _train(system: LocalSystem, cfg, t0: float, timeout_s: float, tasks: list[dict] = (),

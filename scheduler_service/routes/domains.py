@@ -2,7 +2,8 @@
 
 A change is stored in the registry (durable) and takes effect on the sampler's next issue decision.
 Bad input changes nothing: 404 for an unknown domain on PATCH, 422 naming the field for a value the
-config refuses or a level whose generator does not build.
+config refuses, a level whose generator does not build, or an ``environment`` that cannot be loaded (its
+module, file or attribute missing, its dataset unreadable or lacking a column: the message names which).
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def get_domain(domain: DomainName, state: StateDep) -> DomainDetail:
 
 
 async def _store(state: SchedulerState, domain: str, data: dict[str, Any]) -> DomainPublic:
-    """Validate ``data`` as a whole config, try each level's generator, then store it.
+    """Validate ``data`` as a whole config, try each level's generator (or load its environment and rows), then
+    store it.
 
     Raises:
         RequestValidationError: the config or a level is refused (422; the ``loc`` names the field).
@@ -127,20 +129,23 @@ async def _store(state: SchedulerState, domain: str, data: dict[str, Any]) -> Do
 
 @router.put("/{domain}", response_model=DomainPublic, dependencies=AUTH, responses=AUTH_RESPONSES)
 async def put_domain(domain: DomainName, body: Annotated[dict[str, Any], Body()], state: StateDep) -> DomainPublic:
-    """Create or replace a domain's config (fields not given take their defaults). Errors: 422 naming
-    the field (nothing changes)."""
+    """Create or replace a domain's config (fields not given take their defaults). An ``environment`` is loaded
+    and its dataset read here. Errors: 422 naming the field (nothing changes)."""
     return await _store(state, domain, body)
 
 
 @router.patch("/{domain}", response_model=DomainPublic, dependencies=AUTH, responses={**AUTH_RESPONSES, **NOT_FOUND})
 async def patch_domain(domain: DomainName, body: Annotated[dict[str, Any], Body()], state: StateDep) -> DomainPublic:
     """Change some fields of a domain's config; nested sections merge key by key (``{"budget":
-    {"samples": 100}}`` keeps the other caps). Errors: 404 when unknown, 422 naming the field (nothing
-    changes)."""
+    {"samples": 100}}`` keeps the other caps), but an ``environment`` given replaces the old one whole. Errors:
+    404 when unknown, 422 naming the field (nothing changes)."""
     row = state.registry.domain(domain)
     if row is None:
         raise HTTPException(404, f"unknown domain {domain!r}")
-    return await _store(state, domain, deep_merge(row.config.model_dump(mode="json"), body))
+    base = row.config.model_dump(mode="json")
+    if "environment" in body:  # a reference is replaced whole: {module} merged over {path} would name both
+        base["environment"] = None
+    return await _store(state, domain, deep_merge(base, body))
 
 
 @router.post("/{domain}/pause", response_model=DomainPublic, dependencies=AUTH,

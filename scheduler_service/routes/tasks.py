@@ -219,6 +219,8 @@ def _environment_errors(task: Task, where: tuple, loaded: dict[str, str | None])
             loaded[key] = None
         except EnvironmentLoadError as e:
             loaded[key] = str(e)
+        except Exception as e:  # noqa: BLE001 - whatever the reference does, the answer is a 422, never a 500
+            loaded[key] = f"environment {ref.label()[:300]} cannot be loaded: {type(e).__name__}: {str(e)[:500]}"
     if loaded[key] is None:
         return []
     return [{"type": "environment_unloadable", "loc": (*where, "verifier", "environment"), "input": None,

@@ -64,8 +64,9 @@ def normalise_row(row: dict[str, Any], columns: dict[str, str] | None = None, wh
     """One row as ``{prompt: [messages], answer, info, ...the rest}``.
 
     Raises:
-        DatasetError: the row is not an object, a mapped column is missing, or it has neither ``prompt`` nor
-            ``question`` (the message names the columns it has).
+        DatasetError: the row is not an object, a mapped column is missing (the message names it and the
+            mapping), or it has neither ``prompt`` nor ``question`` (or both are null); the message names the
+            columns the row has.
     """
     if not isinstance(row, dict):
         raise DatasetError(f"{where} is a {type(row).__name__}, not an object")
@@ -74,10 +75,12 @@ def normalise_row(row: dict[str, Any], columns: dict[str, str] | None = None, wh
         if theirs not in row:
             raise DatasetError(f"{where} has no column {theirs!r} (mapped to {ours!r}); columns: {sorted(row)}")
         out[ours] = row[theirs]
-    prompt = out.get("prompt", out.get("question"))
+    prompt = out.get("prompt") if out.get("prompt") is not None else out.get("question")
     if prompt is None:
-        raise DatasetError(f"{where} has no 'prompt' or 'question' column; columns: {sorted(row)}; map one with "
-                           "columns: {question: <column>}")
+        empty = [c for c in ("prompt", "question") if c in out]
+        raise DatasetError(f"{where} has no 'prompt' or 'question' column"
+                           + (f" ({' and '.join(map(repr, empty))} empty)" if empty else "")
+                           + f"; columns: {sorted(row)}; map one with columns: {{question: <column>}}")
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
     elif not (isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m

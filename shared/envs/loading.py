@@ -112,8 +112,13 @@ def _from_module(spec: str) -> Callable[..., Any]:
 def _from_path(spec: str) -> Callable[..., Any]:
     file, _, func = spec.partition(":")
     func = func or DEFAULT_FUNCTION
-    path = Path(file).expanduser().resolve()
-    if not path.is_file():
+    try:
+        path = Path(file).expanduser().resolve()
+        is_file = path.is_file()
+    except (OSError, RuntimeError, ValueError) as e:  # a name too long, a symlink loop, a NUL byte
+        raise EnvironmentLoadError(f"environment path {file[:200]!r} cannot be read: {type(e).__name__}: "
+                                   f"{str(e)[:200]}") from e
+    if not is_file:
         raise EnvironmentLoadError(f"environment path {str(path)!r} is not a file")
     name = f"flywheel_env_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
     if name not in sys.modules:
@@ -133,21 +138,34 @@ def _from_path(spec: str) -> Callable[..., Any]:
 
 
 def load_environment(ref: EnvironmentRef | dict[str, Any]) -> Environment:
-    """Import the referenced code and build its environment.
+    """Import the referenced code and build its environment; a ``verifiers`` environment it returns is converted
+    (:mod:`shared.envs.verifiers_adapter`).
 
     Raises:
         EnvironmentLoadError: see the class; pydantic.ValidationError: ``ref`` as a dict is malformed.
     """
     ref = EnvironmentRef.model_validate(ref)
     factory = _from_entry_point(ref.id) if ref.id else _from_module(ref.module) if ref.module else _from_path(ref.path)
+    if "verifiers" in sys.modules:  # a verifiers environment is built below: it must keep this process's signals
+        from shared.envs.verifiers_adapter import keep_signal_handlers
+
+        keep_signal_handlers()
     try:
         env = factory(**ref.args) if callable(factory) and not isinstance(factory, Environment) else factory
     except Exception as e:  # noqa: BLE001 - the user's builder
         raise EnvironmentLoadError(f"environment {ref.label()}: {getattr(factory, '__name__', factory)}"
                                    f"(**{ref.args}) raised {type(e).__name__}: {e}") from e
     if not isinstance(env, Environment):
-        raise EnvironmentLoadError(f"environment {ref.label()} returned {type(env).__name__}, not a "
-                                   "flywheel.env.Environment")
+        from shared.envs.verifiers_adapter import UnsupportedVerifiersEnv, from_verifiers, is_verifiers_env
+
+        if not is_verifiers_env(env):
+            raise EnvironmentLoadError(f"environment {ref.label()} returned {type(env).__name__}, not a "
+                                       "flywheel.env.Environment (nor a verifiers environment)")
+        try:
+            env = from_verifiers(env)
+        except UnsupportedVerifiersEnv as e:
+            raise EnvironmentLoadError(f"environment {ref.label()} returned a verifiers {type(env).__name__}: "
+                                       f"{e}") from e
     return env
 
 

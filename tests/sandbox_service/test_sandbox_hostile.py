@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 from sandbox_service.api import create_app
 from sandbox_service.config import SandboxConfig
 from sandbox_service.isolation import probe
+from sandbox_service.uids import SEARCH
 
 from .test_sandbox_api import run
 
@@ -41,13 +42,13 @@ def sandbox_uid_processes() -> dict[int, str]:
 
     The start time (clock ticks since boot, field 22 of /proc/PID/stat) tells a process apart from a later
     one that reuses its pid (pid_max is 32768 here, so pids wrap during the suite). Another service's slots
-    use the same uids: the suite's session sandbox (``sandbox_url``) keeps running beside this module, and its
+    use uids of the same range: the suite's session sandbox (``sandbox_url``) keeps running beside this module, and its
     workers fork their next run's processes whenever they like. Those carry their worker's command line,
     whose ``--slot`` names the service's pid (``<pid>-slot<i>-<hex>``, :class:`sandbox_service.pool.WorkerHandle`),
     and are left out; a process that escaped this module's sandbox never carries another service's slot.
     Zombies (state Z or X) are left out too: they run nothing, and one that has exited but waits for its
     parent to reap it has an empty command line, so it could not be told apart by its slot."""
-    lo, hi = CFG.uid_base, CFG.uid_base + CFG.max_concurrency
+    lo, hi = CFG.uid_base, CFG.uid_base + SEARCH  # the uids any sandbox service on this host may claim
     found = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():

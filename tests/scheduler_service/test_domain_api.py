@@ -99,8 +99,9 @@ async def test_generator_domains_start_with_tasks_pools_route_and_promotion_make
     pool_topic = topics.rollout_requests(f"p{unique}")
     default = await reader(topics.ROLLOUT_REQUESTS)
     async with running(cfg) as (client, state):
-        counts = await wait_for(lambda: state.registry.task_summary().get(gen))
-        assert (counts["train"], counts["eval"]) == (3, 2)  # made before the first issue decision
+        # the held-out tasks are registered first, then the level's training tasks: wait for both
+        counts = await wait_for(lambda: (c := state.registry.task_summary().get(gen)) and c["train"] and c)
+        assert (counts["train"], counts["eval"]) == (3, 2)
         pooled = await reader(pool_topic)
         reqs = await collect(pooled, RolloutRequest, lambda r: r.task.domain == gen, want=2)
         assert len(reqs) == 2 and all(r.sampling.max_new_tokens == 77 for r in reqs)

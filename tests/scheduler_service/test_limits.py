@@ -295,10 +295,11 @@ async def test_a_task_whose_environment_cannot_be_imported_is_refused_naming_wha
         r = await client.post("/v1/tasks", json={"tasks": [scored_by({"path": str(env)}, "ok")]})
         assert r.status_code == 202, r.text
         bad = [scored_by({"path": str(tmp_path / "missing.py")}, "a"), scored_by({"path": f"{env}:nope"}, "b"),
-               scored_by({"path": str(tmp_path / "missing.py")}, "c")]
+               scored_by({"path": str(tmp_path / "missing.py")}, "c"), scored_by({"path": "0" * 4000}, "d")]
         r = await client.post("/v1/tasks", json={"tasks": bad})
         assert r.status_code == 422, r.text
         assert _fields(r) == ["tasks.0.verifier.environment", "tasks.1.verifier.environment",
-                              "tasks.2.verifier.environment"]
+                              "tasks.2.verifier.environment", "tasks.3.verifier.environment"]
         assert "missing.py' is not a file" in r.text and "has no attribute 'nope'" in r.text
+        assert "cannot be read: OSError" in r.text
         assert await _absent(client, "a") and await _absent(client, "b")

@@ -104,6 +104,7 @@ def test_an_installed_entry_point_loads_by_id(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("ref, says", [
     ({"path": "/nonexistent/env.py"}, "'/nonexistent/env.py' is not a file"),
+    ({"path": "0" * 4000}, "cannot be read: OSError"),
     ({"module": "no_such_package.envs"}, "module 'no_such_package.envs' failed to import: ModuleNotFoundError"),
     ({"path": "{dir}/my_env.py:missing"}, "has no attribute 'missing'"),
     ({"path": "{dir}/my_env.py:not_an_env"}, "returned int, not a flywheel.env.Environment"),
@@ -116,7 +117,7 @@ def test_an_environment_that_cannot_load_says_which_and_why(tmp_path, ref, says)
     ref = {k: v.format(dir=tmp_path) if isinstance(v, str) else v for k, v in ref.items()}
     with pytest.raises(EnvironmentLoadError, match=re.escape(says)) as e:
         load_environment(ref)
-    assert (ref.get("path") or ref.get("module")).split(":")[0] in str(e.value)
+    assert (ref.get("path") or ref.get("module")).split(":")[0][:100] in str(e.value)
 
 
 def test_a_reference_names_exactly_one_place():
@@ -160,6 +161,32 @@ def test_a_row_without_its_column_is_named(tmp_path):
     with pytest.raises(DatasetError, match="unknown format '.txt'"):
         (tmp_path / "d.txt").write_text("x")
         load_rows(tmp_path / "d.txt")
+
+
+def test_a_null_prompt_column_falls_back_to_the_question_and_both_missing_are_named():
+    assert load_rows([{"prompt": None, "question": "q"}])[0]["prompt"] == [{"role": "user", "content": "q"}]
+    with pytest.raises(DatasetError, match=r"row 0 has no 'prompt' or 'question' column \('prompt' empty\); "
+                                           r"columns: \['answer', 'prompt'\]"):
+        load_rows([{"prompt": None, "answer": 1}])
+    with pytest.raises(DatasetError, match=r"row 0 has no column 'problem' \(mapped to 'question'\); "
+                                           r"columns: \['answer', 'text'\]"):
+        load_rows([{"text": "a", "answer": 1}], columns={"question": "problem"})
+
+
+def test_a_row_becomes_the_same_task_for_the_driver_and_the_scheduler(tmp_path):
+    """``shared.envs.tasks`` is the one place rows become tasks: the driver's ``tasks.kind: environment`` and
+    an environment domain of the scheduler make the same tasks of the same rows (same seed, same domain name)."""
+    from scheduler_service.config import DomainConfig
+    from scheduler_service.generate import make_tasks as domain_tasks
+
+    path = _write_env(tmp_path, GOOD)
+    driver = make_tasks(TaskSourceConfig(kind="environment", environment={"path": str(path)}, train_size=100,
+                                         eval_size=3, samples_per_task=4))
+    cfg = DomainConfig(environment={"path": str(path)}, eval_size=3, tasks_per_level=100, samples_per_task=4)
+    from shared.schemas import Task
+
+    scheduler = [t for split in ("eval", "train") for t in domain_tasks("my_env", cfg, 0, 100, split, 0)]
+    assert len(scheduler) == 10 and scheduler == [Task(**t) for t in driver]
 
 
 def test_flywheel_run_makes_held_out_and_training_tasks_of_an_environment(tmp_path):

@@ -114,3 +114,119 @@ async def test_a_multi_turn_rollout_gives_its_state_calls_and_last_turn_to_the_r
     lost = await scorer.score(task.verifier, traj.completion_text,
                               rollout=rollout_context(traj.model_copy(update={"state": {"won": False}})))
     assert lost.total == 0.0 and not lost.infra_error
+
+
+BATCHED = '''
+import os
+import time
+
+from flywheel.env import Environment
+
+
+def reward(completion: str, answer) -> dict:
+    if completion == "hang":
+        time.sleep(3600)
+    if completion == "crash":
+        os._exit(3)
+    if completion == "slow":
+        time.sleep(1.2)
+    return {"score": float(completion == str(answer)), "length": len(completion)}
+
+
+def load_environment(**args):
+    return Environment(dataset=[{"question": "q", "answer": "44"}], rubric=[reward])
+'''
+
+
+def batched(tmp_path, answer="44") -> EnvironmentSpec:
+    path = tmp_path / "batched.py"
+    path.write_text(BATCHED)
+    return spec(path=str(path), answer=answer)
+
+
+@pytest.mark.parametrize("batch_size, wait_ms", [(16, 0.0), (64, 2.0)])
+async def test_concurrent_calls_are_batched_and_each_gets_its_own_result(tmp_path, batch_size, wait_ms):
+    scorer = Scorer(VerifierConfig(reward_workers=2, reward_batch_size=batch_size, reward_batch_wait_ms=wait_ms))
+    try:
+        env = batched(tmp_path)
+        completions = ["4" * (i % 7 + 1) for i in range(100)]  # 100 calls over two workers, several per message
+        results = await asyncio.gather(*(scorer.score(env, c) for c in completions))
+        for c, r in zip(completions, results):
+            assert not r.infra_error and r.total == float(c == "44"), (c, r)
+            assert environment_metrics(r.details)["reward.length"] == len(c)
+    finally:
+        await scorer.close()
+
+
+@pytest.mark.parametrize("batch_size", [1, 64])
+async def test_a_call_that_hangs_in_a_batch_times_out_alone_and_the_rest_of_the_batch_is_scored(tmp_path,
+                                                                                                 batch_size):
+    scorer = Scorer(VerifierConfig(reward_timeout_s=2.0, reward_workers=1, reward_batch_size=batch_size))
+    try:
+        env = batched(tmp_path)
+        await scorer.score(env, "44")  # the pool is started: the next calls queue together
+        completions = ["44", "5", "hang", "44", "hang", "5", "44"]
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(scorer.score(env, c) for c in completions))
+        for c, r in zip(completions, results):
+            if c == "hang":
+                assert r.infra_error and "exceeded 2.0 s" in r.details["reason"], r
+            else:
+                assert not r.infra_error and r.total == float(c == "44"), (c, r)
+        assert time.monotonic() - t0 < 60  # two timeouts and two restarts, not a timeout per call of the batch
+        again = await scorer.score(env, "44")  # the killed worker was replaced
+        assert again.total == 1.0 and not again.infra_error
+    finally:
+        await scorer.close()
+
+
+async def test_each_call_of_a_batch_is_timed_from_its_own_start(tmp_path):
+    scorer = Scorer(VerifierConfig(reward_timeout_s=2.0, reward_workers=1))
+    try:
+        env = batched(tmp_path)
+        await scorer.score(env, "44")  # the pool is started: the next calls queue together, one batch
+        results = await asyncio.gather(*(scorer.score(env, "slow") for _ in range(3)))  # 3.6 s, each < 2 s
+        assert [(r.total, r.infra_error) for r in results] == [(0.0, False)] * 3, results
+    finally:
+        await scorer.close()
+
+
+async def test_a_call_that_kills_its_worker_fails_alone_and_the_rest_of_the_batch_is_scored(tmp_path):
+    scorer = Scorer(VerifierConfig(reward_workers=1))
+    try:
+        env = batched(tmp_path)
+        await scorer.score(env, "44")  # the pool is started: the next calls queue together, one batch
+        completions = ["44", "crash", "5", "44"]
+        results = await asyncio.gather(*(scorer.score(env, c) for c in completions))
+        crashed = results.pop(1)
+        assert crashed.infra_error and "died" in crashed.details["reason"], crashed
+        assert [(r.total, r.infra_error) for r in results] == [(1.0, False), (0.0, False), (1.0, False)]
+    finally:
+        await scorer.close()
+
+
+async def test_a_hung_worker_does_not_hold_up_the_other_workers_of_its_environment(tmp_path):
+    scorer = Scorer(VerifierConfig(reward_timeout_s=300.0, reward_workers=2))
+    try:
+        env = batched(tmp_path)
+        await scorer.score(env, "44")  # the pool is started
+        stuck = asyncio.create_task(scorer.score(env, "hang"))
+        await asyncio.sleep(0.5)
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(scorer.score(env, c) for c in ["44", "5"] * 20))
+        assert [r.total for r in results] == [1.0, 0.0] * 20 and time.monotonic() - t0 < 10
+        assert not stuck.done()
+        stuck.cancel()
+    finally:
+        await scorer.close()
+
+
+async def test_closing_answers_the_calls_in_flight_and_queued_with_an_infrastructure_error(tmp_path):
+    scorer = Scorer(VerifierConfig(reward_timeout_s=300.0, reward_workers=1))
+    env = batched(tmp_path)
+    await scorer.score(env, "44")  # the pool is started
+    calls = [asyncio.create_task(scorer.score(env, c)) for c in ["hang", "44", "5"]]
+    await asyncio.sleep(0.5)
+    await scorer.close()
+    results = await asyncio.wait_for(asyncio.gather(*calls), timeout=10)
+    assert all(r.infra_error and "closed" in r.details["reason"] for r in results), results

@@ -34,9 +34,17 @@ def _spec(case: dict) -> MathSpec:
     return MathSpec(answer=case["gold"], **{k: case["options"][k] for k in SPEC_OPTIONS})
 
 
+@pytest.fixture(autouse=True)
+def _quiet_math_verify():
+    """math-verify warns on every unparseable answer; silenced for this module's tests only (a global
+    ``logging.disable`` left on would hide the warnings later tests assert on)."""
+    logging.disable(logging.WARNING)
+    yield
+    logging.disable(logging.NOTSET)
+
+
 def compare(gold: str, completion: str, **options) -> dict:
     """What a pool worker returns for this completion (``score_math`` minus the pool)."""
-    logging.disable(logging.WARNING)
     spec = MathSpec(answer=gold, **options)
     return math_verify_compare(spec.answer, strip_reasoning(completion), spec.model_dump(include=set(MATH_OPTIONS)))
 

@@ -184,11 +184,16 @@ async def test_math_timeout_is_infra_error_and_pool_recovers(scorer, monkeypatch
 
 
 def _slow_compare(gold, body, options):  # picklable by reference (module-level)
+    """A pool that hangs on the answer and fails the scorer's health probe (which compares "1" with "1")
+    at once: the timeout is then the pool's fault, an infra error."""
+    if body == "1":
+        raise RuntimeError("this pool is broken")
     time.sleep(30)
     return {"ok": True}
 
 
-async def test_unit_tests_with_sandbox_down_is_infra_error():
+async def test_unit_tests_with_sandbox_down_is_infra_error(monkeypatch):
+    monkeypatch.setattr(scorers, "SANDBOX_RETRY_S", 1.0)  # the retry window's length is tested elsewhere
     s = Scorer(VerifierConfig(sandbox_url=f"http://127.0.0.1:{free_port()}"))
     try:
         spec = UnitTestsSpec(tests="def check(f):\n    assert f() == 1\n", entry_point="f")
