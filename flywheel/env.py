@@ -1,7 +1,7 @@
 """The environment API for users' code: ``from flywheel.env import Environment, Rubric``.
 
 The same objects as :mod:`shared.envs` (where the services load them from); importing this module loads nothing
-else of the driver. Guide: docs/guides/environments.md.
+else of the driver. Guides: docs/guides/environments.md, docs/guides/http-environments.md.
 """
 
 from shared.envs import (  # noqa: F401 - the public names
@@ -11,12 +11,15 @@ from shared.envs import (  # noqa: F401 - the public names
     Environment,
     EnvironmentLoadError,
     EnvironmentRef,
+    OpenEnvError,
     RewardError,
     Rubric,
     RubricScore,
     load_environment,
     load_rows,
+    openenv_environment,
 )
 
 __all__ = ["ENTRY_POINT_GROUP", "REWARD_ARGS", "DatasetError", "Environment", "EnvironmentLoadError",
-           "EnvironmentRef", "RewardError", "Rubric", "RubricScore", "load_environment", "load_rows"]
+           "EnvironmentRef", "OpenEnvError", "RewardError", "Rubric", "RubricScore", "load_environment", "load_rows",
+           "openenv_environment"]

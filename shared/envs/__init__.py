@@ -7,6 +7,7 @@ name, a re-export that loads nothing else of the driver.
 
 from shared.envs.api import REWARD_ARGS, Environment, RewardError, Rubric, RubricScore
 from shared.envs.datasets import DatasetError, load_rows, normalise_row
+from shared.envs.http_env import OpenEnvError, openenv_environment
 from shared.envs.loading import (
     ENTRY_POINT_GROUP,
     EnvironmentLoadError,
@@ -16,5 +17,5 @@ from shared.envs.loading import (
 )
 
 __all__ = ["ENTRY_POINT_GROUP", "REWARD_ARGS", "DatasetError", "Environment", "EnvironmentLoadError",
-           "EnvironmentRef", "RewardError", "Rubric", "RubricScore", "cached_environment", "load_environment",
-           "load_rows", "normalise_row"]
+           "EnvironmentRef", "OpenEnvError", "RewardError", "Rubric", "RubricScore", "cached_environment",
+           "load_environment", "load_rows", "normalise_row", "openenv_environment"]
