@@ -272,11 +272,12 @@ class DomainConfig(BaseModel):
     from the dataset, kept disjoint from the training rows by prompt. Levels: without ``levels``, one level holds
     every row; with them, each level gives a ``difficulty`` range and holds the rows whose ``difficulty`` column
     (a number, 0 when absent) is in it. A relative ``path`` is read from the scheduler's working directory (under
-    ``flywheel run``, the run directory: give it absolute). Not together with a ``generator`` of your own: the
-    domain's ``generator`` reads ``scheduler_service.generate:environment_tasks``."""
+    ``flywheel run``, the run directory: give it absolute). Not together with a ``generator``. A run that
+    makes its tasks only through domains sets ``tasks.kind: none``."""
     params: Annotated[dict[str, Any], AfterValidator(_check_params)] = Field(default_factory=dict)
     """Generator keyword arguments common to every level."""
     tasks_per_level: int = Field(32, ge=1, le=100_000)
+    """Training tasks made at a time for the current level (when the domain enters it or has no live task left)."""
     eval_size: int = Field(0, ge=0, le=100_000)
     """Held-out tasks the generator makes at ``eval_level`` (generator and environment domains only)."""
     eval_level: int = Field(0, ge=0, le=63)
