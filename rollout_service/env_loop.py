@@ -121,22 +121,24 @@ async def run_env_loop(engine: Engine | EngineGate, tokenizer, env: Environment,
     eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else None
     runs = [EnvRollout(Rollout(), {}) for _ in range(n)]
     try:
-        if env.setup is not None:
-            for ro in runs:
-                try:
-                    await call_hook(env.setup, _context(task, ro.state), env.hook_timeout_s)
-                except HookError as e:
-                    ro.error = str(e)
+        await _each(env.setup, env, task, runs)
         await _turns(gate, tokenizer, env, task, prompt_ids, [ro for ro in runs if ro.error is None], sampling,
                      max_tokens, eos_text)
     finally:
-        if env.cleanup is not None:
-            for ro in runs:
-                try:
-                    await call_hook(env.cleanup, _context(task, ro.state), env.hook_timeout_s)
-                except HookError as e:
-                    ro.error = ro.error or str(e)
+        await _each(env.cleanup, env, task, runs)
     return runs
+
+
+async def _each(hook, env: Environment, task: Task, runs: list[EnvRollout]) -> None:
+    """``hook`` (``setup`` or ``cleanup``, or ``None``) once per rollout, one after another; a hook that fails
+    marks its rollout with the error (an earlier error of the rollout is kept)."""
+    if hook is None:
+        return
+    for ro in runs:
+        try:
+            await call_hook(hook, _context(task, ro.state), env.hook_timeout_s)
+        except HookError as e:
+            ro.error = ro.error or str(e)
 
 
 async def _turns(gate: EngineGate, tokenizer, env: Environment, task: Task, prompt_ids: list[int],
