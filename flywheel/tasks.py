@@ -177,7 +177,16 @@ def environment_tasks(cfg: TaskSourceConfig) -> list[dict]:
     held, train = split_rows(env, cfg.eval_size, cfg.seed)
     train = train[:cfg.train_size]
     if not train:
-        raise ValueError(f"environment {name!r}: no training rows left after {len(held)} held-out ones")
+        if env.eval_dataset is not None:
+            why = (f"no row of its dataset has a prompt outside the {len(held)} held-out rows of its eval_dataset "
+                   f"(tasks.eval_size {cfg.eval_size})")
+        elif len(held) < cfg.eval_size:
+            why = (f"tasks.eval_size {cfg.eval_size} asked for more held-out rows than the dataset's {len(held)} "
+                   "rows, so all of them are held out; lower tasks.eval_size")
+        else:
+            why = (f"tasks.eval_size {cfg.eval_size} holds out {len(held)} rows and the dataset's other rows, if "
+                   "any, repeat held-out prompts; lower tasks.eval_size")
+        raise ValueError(f"environment {name!r}: no training rows left: {why}")
     recipe = cfg.recipe.model_dump(mode="json", exclude_none=True) if cfg.recipe is not None else None
     return [row_task(ref, env, name, row, split, cfg.samples_per_task, recipe)
             for split, part in (("eval", held), ("train", train)) for row in part]

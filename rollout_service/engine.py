@@ -100,54 +100,77 @@ class Engine(abc.ABC):
 
 
 class EngineGate:
-    """The one way the service's coroutines call :meth:`Engine.generate`: in a worker thread, one call
-    at a time (an asyncio lock, first come first served), with the engine's busy time measured.
+    """The one way the service's coroutines call :meth:`Engine.generate`: in a worker thread, one engine call
+    at a time, with the engine's busy time measured; calls made while the engine is busy are served together.
 
-    Engines are not safe for concurrent ``generate`` calls from two threads; with the gate the plain
-    path and every tool loop of a batch share the engine, and one of them generates while the others
-    wait on the sandbox. ``busy_s`` is the total of seconds spent holding the lock inside ``generate``
-    (waiting for the lock not counted), also reported to ``on_busy``.
+    Engines are not safe for concurrent ``generate`` calls from two threads; with the gate the plain path and
+    every tool or environment loop of a batch share the engine, and one of them generates while the others wait
+    on the sandbox or their tools. The requests of every call that arrives while an engine call runs (or in the
+    same event-loop turn as the first) go to the engine as *one* call, each caller getting its own samples back:
+    the turns of many multi-turn rollouts (each of one sample, at different times) decode as one batch instead of
+    one after another. A batch's rollouts each wait on at most one call, so a merged call holds no more
+    sequences than the batch has samples. ``busy_s`` is the total of seconds spent inside ``generate`` (waiting
+    not counted), also reported to ``on_busy``.
     """
 
     def __init__(self, engine: Engine, on_busy: Callable[[float], None] | None = None) -> None:
         self.engine = engine
         self.on_busy = on_busy
-        """Called with the seconds of every finished call (e.g. ``RolloutStats.add_busy``)."""
+        """Called with the seconds of every finished engine call (e.g. ``RolloutStats.add_busy``)."""
         self.busy_s = 0.0
         """Seconds the engine spent in ``generate`` through this gate (monotonic clock)."""
-        self._lock = asyncio.Lock()
+        self.calls = 0
+        """Engine calls made (fewer than the callers' calls when some were served together)."""
+        self._pending: list[tuple[list[GenerationRequest], asyncio.Future]] = []
+        self._serving: asyncio.Task | None = None
 
     async def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
-        """``engine.generate(requests)`` in a worker thread once no other call through the gate runs.
+        """``engine.generate(requests)`` in a worker thread, alone or together with the calls waiting beside it.
 
         Raises:
-            whatever ``engine.generate`` raises.
+            whatever ``engine.generate`` raises (every call served with it gets the same error).
         """
         return (await self.generate_timed(requests))[0]
 
     async def generate_timed(self, requests: list[GenerationRequest]) -> tuple[list[list[Sample]], float]:
-        """As :meth:`generate`, with the seconds this call held the engine (waiting for it not counted).
+        """As :meth:`generate`, with the seconds of the engine call that served these requests.
 
-        The lock is held until the thread returns, even when the caller is cancelled meanwhile (a
-        running generation cannot be stopped from here), so two generations never overlap.
+        The engine call runs to its end even when the caller is cancelled meanwhile (a running generation cannot
+        be stopped from here), so two generations never overlap.
 
         Raises:
             whatever ``engine.generate`` raises.
         """
-        await self._lock.acquire()
-        t0 = time.perf_counter()
-        held = [0.0]
-        call = asyncio.ensure_future(asyncio.to_thread(self.engine.generate, requests))
+        done = asyncio.get_running_loop().create_future()
+        self._pending.append((list(requests), done))
+        if self._serving is None or self._serving.done():
+            self._serving = asyncio.ensure_future(self._serve())
+        return await asyncio.shield(done)
 
-        def release(done: asyncio.Future) -> None:  # runs before the caller resumes (registered first)
-            held[0] = time.perf_counter() - t0
-            self._lock.release()
-            self.busy_s += held[0]
+    async def _serve(self) -> None:
+        """Engine calls until nothing waits: each takes every request that waits when it starts."""
+        while self._pending:
+            await asyncio.sleep(0)  # the callers of this event-loop turn join the first call too
+            calls, self._pending = self._pending, []
+            merged = [r for reqs, _ in calls for r in reqs]
+            t0 = time.perf_counter()
+            try:
+                samples = await asyncio.to_thread(self.engine.generate, merged)
+                error = None
+            except Exception as e:  # noqa: BLE001 - handed to every caller of this engine call
+                samples, error = None, e
+            held = time.perf_counter() - t0
+            self.calls += 1
+            self.busy_s += held
             if self.on_busy is not None:
-                self.on_busy(held[0])
-            if not done.cancelled():
-                done.exception()  # retrieved here too: a cancelled caller never reads it
-
-        call.add_done_callback(release)
-        samples = await asyncio.shield(call)
-        return samples, held[0]
+                self.on_busy(held)
+            at = 0
+            for reqs, fut in calls:
+                if fut.done():  # its caller was cancelled
+                    at += len(reqs)
+                    continue
+                if error is not None:
+                    fut.set_exception(error)
+                else:
+                    fut.set_result((samples[at:at + len(reqs)], held))
+                at += len(reqs)

@@ -1,8 +1,9 @@
 """A user environment's multi-turn loop in the rollout: its Python tools and its ``env_response``.
 
-For a request whose task is scored by an environment (``verifier.kind: environment``) that has tools or an
-``env_response`` (:attr:`shared.envs.Environment.multi_turn`), each of the ``n`` rollouts gets its own ``state``
-dict: ``setup`` fills it, then after every assistant turn
+For a request whose task is scored by an environment (``verifier.kind: environment``) that has tools, an
+``env_response``, a ``setup``/``cleanup`` hook or a workspace (:attr:`shared.envs.Environment.runs_loop`), each
+of the ``n`` rollouts gets its own ``state`` dict and its own sandbox session (:mod:`shared.envs.sandbox`, made
+at its first use): ``setup`` fills the state, then after every assistant turn
 
 - tool calls in the turn (parsed by the environment's ``tool_parser``, :data:`shared.tools.PARSERS`) are run in
   this process
@@ -21,15 +22,18 @@ raises is an observation the model reads.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from rollout_service.engine import Engine, EngineGate, GenerationRequest
+from rollout_service.engine import Engine, EngineGate, GenerationRequest, Sample
 from rollout_service.tool_loop import Rollout, tool_turn_ids
+from shared.client import AsyncApiClient
 from shared.envs import Environment
+from shared.envs.sandbox import Sandbox
 from shared.envs.tools import HookError, call_hook, call_tool
 from shared.schemas import SamplingParams, Task
 from shared.tools import CALL_FORMATS, PARSERS
@@ -50,6 +54,7 @@ class EnvRollout:
     rollout: Rollout
     state: dict[str, Any]
     error: str | None = None
+    sandbox: Sandbox | None = None
 
     def state_record(self) -> dict[str, Any]:
         """The state as JSON the trajectory can carry (non-JSON values as text)."""
@@ -85,9 +90,9 @@ def encode_with_tools(tokenizer, messages: list[dict[str, str]], schemas: list[d
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _context(task: Task, state: dict[str, Any]) -> dict[str, Any]:
+def _context(task: Task, ro: EnvRollout) -> dict[str, Any]:
     spec = task.verifier
-    return {"state": state, "task": spec.task,
+    return {"state": ro.state, "task": spec.task, "sandbox": ro.sandbox,
             "prompt": [m.model_dump() for m in task.prompt], "answer": spec.answer, "info": spec.info}
 
 
@@ -101,31 +106,39 @@ async def _observe(env: Environment, task: Task, ro: EnvRollout, turn: int) -> t
     text = ro.rollout.turns[-1]["text"]
     calls = PARSERS[env.tool_parser](text) if env.tools else []
     if calls:
-        injected = {"state": ro.state, "task": task.verifier.task}
+        injected = {"state": ro.state, "task": task.verifier.task, "sandbox": ro.sandbox}
         results = await asyncio.gather(*(call_tool(env.tools, c.name, c.arguments, c.error, injected,
                                                    env.hook_timeout_s) for c in calls))
         return "tool", "\n\n".join(results), [{"name": c.name, "arguments": c.arguments, "error": c.error}
                                               for c in calls]
     if env.env_response is None:
         return None
-    reply = await call_hook(env.env_response, {**_context(task, ro.state), "completion": text, "turn": turn},
+    reply = await call_hook(env.env_response, {**_context(task, ro), "completion": text, "turn": turn},
                             env.hook_timeout_s)
     return None if reply is None else ("user", str(reply), [])
 
 
 async def run_env_loop(engine: Engine | EngineGate, tokenizer, env: Environment, task: Task, prompt_ids: list[int],
-                       n: int, sampling: SamplingParams, max_tokens: int) -> list[EnvRollout]:
+                       n: int, sampling: SamplingParams, max_tokens: int,
+                       sandbox: AsyncApiClient | None = None) -> list[EnvRollout]:
     """``n`` rollouts of ``task`` through ``env``'s loop (see the module docstring); ``max_tokens`` bounds each
-    whole completion (generated and observation tokens)."""
+    whole completion (generated and observation tokens). ``sandbox``: the client of the sandbox service through
+    which each rollout gets its own session (:class:`shared.envs.sandbox.Sandbox`, made at its first use and
+    ended after ``cleanup``); ``None``: tools and hooks get ``sandbox=None``."""
     gate = engine if isinstance(engine, EngineGate) else EngineGate(engine)
     eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else None
-    runs = [EnvRollout(Rollout(), {}) for _ in range(n)]
+    workspace = env.packed_workspace()
+    runs = [EnvRollout(Rollout(), {}, sandbox=None if sandbox is None else Sandbox(sandbox, workspace))
+            for _ in range(n)]
     try:
         await _each(env.setup, env, task, runs)
         await _turns(gate, tokenizer, env, task, prompt_ids, [ro for ro in runs if ro.error is None], sampling,
                      max_tokens, eos_text)
     finally:
-        await _each(env.cleanup, env, task, runs)
+        try:
+            await _each(env.cleanup, env, task, runs)
+        finally:
+            await asyncio.gather(*(ro.sandbox.close() for ro in runs if ro.sandbox is not None))
     return runs
 
 
@@ -135,8 +148,10 @@ async def _each(hook, env: Environment, task: Task, runs: list[EnvRollout]) -> N
     if hook is None:
         return
     for ro in runs:
+        turns = ro.rollout.turns
+        last = next((t["text"] for t in reversed(turns) if t["role"] == "assistant"), "")
         try:
-            await call_hook(hook, _context(task, ro.state), env.hook_timeout_s)
+            await call_hook(hook, {**_context(task, ro), "completion": last}, env.hook_timeout_s)
         except HookError as e:
             ro.error = ro.error or str(e)
 
@@ -147,22 +162,32 @@ async def _turns(gate: EngineGate, tokenizer, env: Environment, task: Task, prom
         return
     (first,) = await gate.generate([GenerationRequest(prompt_ids, len(live), sampling)])
     for ro, s in zip(live, first):
-        ro.rollout.add_generated(s, tokenizer)
+        ro.rollout.add_generated(within(s, max_tokens), tokenizer)
     everyone = list(live)
     for turn in range(1, env.max_turns):
         steps = await asyncio.gather(*(_step(env, task, ro, turn, tokenizer, eos_text, max_tokens) for ro in live))
         live = [ro for ro, more in zip(live, steps) if more]
         if not live:
             break
-        reqs = [GenerationRequest(prompt_ids + ro.rollout.ids, 1, sampling.model_copy(
-            update={"max_new_tokens": min(sampling.max_new_tokens, max_tokens - len(ro.rollout.ids))}))
-            for ro in live]
+        # every turn asks with the group's own sampling, so the gate can decode the turns of many rollouts (and
+        # groups) as one batch; a sample past its rollout's remaining budget is cut there afterwards, which is
+        # what a smaller max_new_tokens would have sampled (decoding is left to right)
+        reqs = [GenerationRequest(prompt_ids + ro.rollout.ids, 1, sampling) for ro in live]
         for ro, (s,) in zip(live, await gate.generate(reqs)):
-            ro.rollout.add_generated(s, tokenizer)
+            ro.rollout.add_generated(within(s, max_tokens - len(ro.rollout.ids)), tokenizer)
     for ro in everyone:
         r = ro.rollout
         if len(r.ids) >= max_tokens and r.finish_reason == "stop" and r.turns[-1]["role"] != "assistant":
             r.finish_reason = "length"
+
+
+def within(sample: Sample, budget: int) -> Sample:
+    """``sample`` cut to its first ``budget`` tokens (``finish_reason`` then ``length``), or itself when it fits."""
+    if len(sample.completion_ids) <= budget:
+        return sample
+    spans = [v.model_copy(update={"end": min(v.end, budget)}) for v in sample.versions if v.start < budget]
+    return dataclasses.replace(sample, completion_ids=sample.completion_ids[:budget],
+                               logprobs=sample.logprobs[:budget], finish_reason="length", versions=spans)
 
 
 async def _step(env: Environment, task: Task, ro: EnvRollout, turn: int, tokenizer, eos_text: str | None,

@@ -3,7 +3,8 @@
 A request whose task names ``tools`` and allows ``max_turns > 1`` runs the tool loop
 (rollout_service/tool_loop.py), one concurrent loop per request; the other requests are generated
 together in one engine call, concurrently with the tool loops. Every engine call goes through the
-one :class:`rollout_service.engine.EngineGate` (one generation at a time, busy time measured), so
+one :class:`rollout_service.engine.EngineGate` (one generation at a time, the calls waiting for it served
+together, busy time measured), so
 while a tool group waits on the sandbox the engine generates the plain groups or another tool group's
 turn instead of standing idle. Each group is published as soon as it is done, through
 :func:`rollout_service.emit.publish`. A plain prompt that cannot fit the engine's context (prompt +
@@ -49,15 +50,16 @@ def uses_tools(r: RolloutRequest) -> bool:
 
 
 def environment_loop(r: RolloutRequest) -> Environment | str | None:
-    """The user environment whose loop ``r`` runs (its verifier is an environment with tools or an
-    ``env_response``); the load error's text when that environment cannot be imported; None otherwise."""
+    """The user environment whose loop ``r`` runs (its verifier is an environment with tools, an
+    ``env_response``, a ``setup``/``cleanup`` hook or a workspace: :attr:`Environment.runs_loop`); the load
+    error's text when that environment cannot be imported; None otherwise."""
     if r.task.verifier.kind != "environment":
         return None
     try:
         env = cached_environment(r.task.verifier.environment)
     except EnvironmentLoadError as e:
         return str(e)
-    return env if env.multi_turn else None
+    return env if env.runs_loop else None
 
 
 @dataclass
@@ -87,8 +89,9 @@ class BatchGenerator:
         """Generate every request of ``batch`` and publish its trajectories (acks awaited), the tool
         groups and the plain ones concurrently; returns when every group is published.
 
-        The tool groups' first turns are first in line for the engine, then the plain groups' one call,
-        so the plain groups generate while the tool groups wait on the sandbox; later turns queue behind.
+        The tool and environment groups' first turns and the plain groups' call reach the engine gate in one
+        event-loop turn and go to the engine together; while a group waits on the sandbox or its tools, the
+        others' later turns decode.
 
         Raises:
             the first error of any group (aiokafka.errors.KafkaError: a trajectory was not acknowledged);
@@ -174,7 +177,7 @@ class BatchGenerator:
             with trace.get_tracer("rollout").start_as_current_span(
                     "env_loop", context=extract_context(headers), attributes={"group_id": r.group_id, "n": r.n}):
                 runs = await run_env_loop(self.gate, self.tokenizer, env, r.task, prompt, r.n, r.sampling,
-                                          self.max_trajectory_tokens)
+                                          self.max_trajectory_tokens, self.tools.http)
             version = self.engine.policy_version
             completions = [Completion.from_rollout(ro.rollout, version, ro.state_record(), ro.error) for ro in runs]
         timings = {"queue": max(0.0, picked - r.issued_at), "generate": time.perf_counter() - t0}

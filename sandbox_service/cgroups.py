@@ -91,6 +91,10 @@ class SlotCgroup:
         self._oom_before = 0
         self._cpu_before: int | None = None
         self._oom_after: int | None = None
+        self.base_bytes = 0
+        """Memory charged to the slot before the run (read by :meth:`reset_counters`): pages of session files
+        that earlier runs wrote on the sessions' tmpfs stay charged to the slot that wrote them, so a run's
+        limit and peak are counted on top of them."""
 
     def _dir(self, ctrl: str) -> Path | None:
         return self.dirs.get(ctrl if self.version == "v1" else "unified")
@@ -122,6 +126,7 @@ class SlotCgroup:
                 except OSError:
                     pass
             self._cpu_before = self._cpu_ns_raw()
+        self.base_bytes = self.usage_bytes()
         if self._oom_after is None:  # the counter is cumulative: the last run's reading is this run's start
             self._oom_after = self.oom_kills()
         self._oom_before = self._oom_after
@@ -197,15 +202,29 @@ class SlotCgroup:
                 return False
             time.sleep(0.001)
 
-    def peak_memory_bytes(self) -> int | None:
-        """Largest memory use of the slot since :meth:`reset_counters` (bytes), or None when unknown."""
+    def usage_bytes(self) -> int:
+        """Memory charged to the slot now (bytes; 0 when unknown)."""
         try:
             if self.version == "v1":
-                return int(_read(self.dirs["memory"] / "memory.max_usage_in_bytes"))
-            p = self.dirs["unified"] / "memory.peak"
-            return int(_read(p)) if p.exists() else None
+                return int(_read(self.dirs["memory"] / "memory.usage_in_bytes"))
+            return int(_read(self.dirs["unified"] / "memory.current"))
+        except (OSError, ValueError, KeyError):
+            return 0
+
+    def peak_memory_bytes(self) -> int | None:
+        """Largest memory use of the slot since :meth:`reset_counters` (bytes, less what was charged before it),
+        or None when unknown."""
+        try:
+            if self.version == "v1":
+                peak = int(_read(self.dirs["memory"] / "memory.max_usage_in_bytes"))
+            else:
+                p = self.dirs["unified"] / "memory.peak"
+                if not p.exists():
+                    return None
+                peak = int(_read(p))
         except (OSError, ValueError):
             return None
+        return max(0, peak - self.base_bytes)
 
     def oom_kills(self) -> int:
         """Cumulative OOM kills in the slot (the kernel's ``oom_kill`` counter)."""

@@ -65,6 +65,18 @@ class SandboxConfig(BaseModel):
     breaker_cooldown_s: float = Field(10.0, gt=0, le=3600)
     """Circuit breaker: seconds it stays open (HTTP 503, /healthz 503) before the service runs a canary
     execution as its trial (success closes it, failure starts another cool-down)."""
+    max_sessions: int = Field(64, ge=0, le=10_000)
+    """Sessions (``POST /v1/sessions``) open at once; one more gets HTTP 503."""
+    max_workspace_mb: int = Field(256, ge=1, le=65536)
+    """Largest unpacked workspace (``PUT /v1/workspaces/{digest}``, MiB); a larger one gets HTTP 422."""
+    sessions_disk_mb: int = Field(4096, ge=16, le=1024**2)
+    """Size of the one tmpfs that holds every workspace template and every session's layers (MiB; mounted at
+    start, before the workers, and removed at shutdown). Pages are used only as files are written."""
+    session_disk_mb: int = Field(256, ge=1, le=65536)
+    """A session's disk limit when ``POST /v1/sessions`` gives none: once its snapshot layers and current
+    changes hold more than this after a run, the session is ended (MiB)."""
+    max_snapshots: int = Field(32, ge=1, le=128)
+    """Snapshots a session may hold (each is one overlayfs layer); one more gets HTTP 409."""
 
 
 class SandboxSettings(Settings):

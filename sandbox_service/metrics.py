@@ -113,3 +113,51 @@ class PoolCollector:
         for fam, v in zip(fams, values):
             fam.add_metric([], v)
             yield fam
+
+
+SESSION_COUNTERS = {
+    "sessions_started": "Sessions opened (POST /v1/sessions).",
+    "sessions_ended": "Sessions ended (deleted, expired, over their disk limit, shutdown).",
+    "sessions_expired": "Sessions ended by the reaper at their expires_at.",
+    "snapshots": "Session snapshots taken.",
+    "rollbacks": "Session rollbacks.",
+}
+"""``SessionStore.counters`` keys exposed as ``flywheel_sandbox_<key>_total``."""
+
+
+class SessionCollector:
+    """Session families read at scrape time: ``flywheel_sandbox_sessions_open``, ``…_workspaces`` (templates
+    stored) and the :data:`SESSION_COUNTERS`. ``read()`` returns ``(open, templates, counters)``."""
+
+    def __init__(self, read: Callable[[], tuple[int, int, Mapping[str, int]]]) -> None:
+        self.read = read
+
+    def describe(self) -> list:
+        return list(self._families())
+
+    def _families(self) -> Iterator:
+        yield GaugeMetricFamily("flywheel_sandbox_sessions_open", "Sessions open now.")
+        yield GaugeMetricFamily("flywheel_sandbox_workspaces", "Workspace templates stored.")
+        for k, doc in SESSION_COUNTERS.items():
+            yield CounterMetricFamily(f"flywheel_sandbox_{k}", doc)
+
+    def collect(self) -> Iterator:
+        n_open, templates, counters = self.read()
+        fams = self._families()
+        for v in (n_open, templates):
+            fam = next(fams)
+            fam.add_metric([], v)
+            yield fam
+        for k in SESSION_COUNTERS:
+            fam = next(fams)
+            fam.add_metric([], counters.get(k, 0))
+            yield fam
+
+
+def session_metrics(registry: CollectorRegistry, read: Callable[[], tuple[int, int, Mapping[str, int]]]) -> Histogram:
+    """Register the session families on ``registry``; returns the ``flywheel_sandbox_session_op_seconds{op}``
+    histogram (``start``, ``snapshot``, ``rollback``: the service's own time, without HTTP)."""
+    registry.register(SessionCollector(read))
+    return Histogram("flywheel_sandbox_session_op_seconds", "Seconds the service spent starting a session, taking a "
+                     "snapshot or rolling back (without HTTP), by operation.", ["op"],
+                     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0), registry=registry)

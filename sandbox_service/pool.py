@@ -386,8 +386,9 @@ class Pool:
         if not self.breaker.allow():
             raise Overloaded("sandbox circuit breaker is open: the execution environment is failing")
 
-    async def execute(self, req: ExecuteRequest, run_id: str | None = None) -> ExecuteResult:
-        """Run ``req`` on a warm worker, retrying environment failures; call :meth:`admit` first.
+    async def execute(self, req: ExecuteRequest, run_id: str | None = None, session: dict | None = None) -> ExecuteResult:
+        """Run ``req`` on a warm worker, retrying environment failures; call :meth:`admit` first. ``session``:
+        the service's description of a session workspace to mount on /work (:meth:`sandbox_service.sessions.Session.wire`).
 
         Returns the result; ``infra_error`` only after ``1 + retries`` failed attempts.
         Raises asyncio.CancelledError when cancelled (the worker in use is killed and replaced).
@@ -395,6 +396,8 @@ class Pool:
         run_id = run_id or uuid.uuid4().hex
         token = secrets.token_hex(16)
         wire = self._wire(req, token)
+        if session is not None:
+            wire["session"] = session
         backstop = wire["limits"]["timeout_s"] + BACKSTOP_SLACK_S
         last_error = ""
         t0 = time.monotonic()

@@ -13,12 +13,14 @@ import os
 import resource
 import select
 import signal
+import sys
 from dataclasses import dataclass
 
 import orjson
 
 from sandbox_service import harness, isolation
 from sandbox_service.frames import read_frame, send_frame
+from sandbox_service.layers import own_tree
 from sandbox_service.slot import Worker
 
 STATUS_CAP = 4096
@@ -51,6 +53,41 @@ def _write_tree(root: str, files: dict[str, str], uid: int | None) -> None:
                 p = os.path.dirname(p)
 
 
+def _write_tree_nofollow(root: str, files: dict[str, str], uid: int | None) -> None:
+    """Write ``files`` under ``root`` (a session's workspace, which may hold symlinks a run made) without
+    following any symlink: every directory is opened relative to its parent with ``O_NOFOLLOW``, the file
+    itself too, and owners are set on descriptors. A symlink on the way fails the write (OSError ELOOP or
+    ENOTDIR), the caller's fault. R is root: following one could write any host file."""
+    for name, content in files.items():
+        parts = name.split("/")
+        dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            for part in parts[:-1]:
+                try:
+                    os.mkdir(part, 0o755, dir_fd=dfd)
+                    made = True
+                except FileExistsError:
+                    made = False
+                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+                os.close(dfd)
+                dfd = nfd
+                if made and uid is not None:
+                    os.fchown(dfd, uid, uid)
+            fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                         dir_fd=dfd)
+            try:
+                if uid is not None and os.fstat(fd).st_uid == 0:
+                    os.fchown(fd, uid, uid)
+                data = content.encode("utf-8")
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+        finally:
+            os.close(dfd)
+
+
 class RequestError(Exception):
     """The request cannot run as given (its files do not fit the disk or memory limit...): the
     caller's fault, reported as ``runtime_error``, never as an environment failure."""
@@ -75,6 +112,10 @@ class _RunDirs:
     host_work: str
     work: str
     tmp: str
+    host_tmp: str = ""
+    session: bool = False
+    """/work is a session's workspace (overlayfs): the program's source goes to /tmp, and the request's
+    files are written without following symlinks."""
 
 
 def _run(w: Worker, pipes: dict, rundir: str | None) -> None:
@@ -103,9 +144,9 @@ def _run(w: Worker, pipes: dict, rundir: str | None) -> None:
         req = _read_request(pipes["limits"][1])
         lim = req["limits"]
         _join_cgroups(w, lim, link.child)
-        dirs = _make_run_dirs(w, lim, rundir)
+        dirs = _make_run_dirs(w, lim, rundir, req.get("session"))
         source = SOURCE_NAMES[req["language"]]
-        _write_run_files(w, req, source, dirs.host_work)
+        _write_run_files(w, req, source, dirs)
         if w.root:  # C shares this mount namespace and root: pivot_root moves it too
             isolation.mount("proc", os.path.join(w.root, "proc"), "proc",
                             isolation.MS_NOSUID | isolation.MS_NODEV | isolation.MS_NOEXEC)
@@ -113,8 +154,9 @@ def _run(w: Worker, pipes: dict, rundir: str | None) -> None:
         stdin = _prime_stdin(req.get("stdin", ""), link.stdin_w)
         tests = req.get("tests")
         go = {"language": req["language"], "fresh": bool(req.get("fresh_interpreter")), "limits": lim,
-              "work": dirs.work, "tmp": dirs.tmp, "path": os.path.join(dirs.work, source),
-              "serve": tests is not None}
+              "work": dirs.work, "tmp": dirs.tmp,
+              "path": os.path.join(dirs.tmp if dirs.session else dirs.work, source),
+              "serve": tests is not None, "session": dirs.session}
         send_frame(link.ctl_w, go)
         _keep_fds(pipes, link, status_w)
         status_w = _STATUS_FD
@@ -157,20 +199,37 @@ def _join_cgroups(w: Worker, lim: dict, child: int) -> None:
     memory cgroup and C in its CPU-time one, and make C the OOM killer's first choice. Nothing without
     cgroups. Raises OSError."""
     if w.cg:  # W (and so R and C) live in the slot's pids/cpu cgroups; the program joins its memory cgroup
-        w.cg.set_limits(lim["memory_mb"] * 2**20, lim["max_processes"] + 2)
+        # on top of what earlier runs left charged to the slot (session files on the sessions' tmpfs)
+        w.cg.set_limits(lim["memory_mb"] * 2**20 + w.cg.base_bytes, lim["max_processes"] + 2)
         w.cg.attach(child, only=("memory", "cpuacct"))  # its memory and CPU time, not W's
         with open(f"/proc/{child}/oom_score_adj", "w") as f:  # the OOM killer's first choice
             f.write("1000")
         w.cg.attach(0, only=("memory",))  # R too: the files it writes and what it reads from C count
 
 
-def _make_run_dirs(w: Worker, lim: dict, rundir: str | None) -> _RunDirs:
+def _make_run_dirs(w: Worker, lim: dict, rundir: str | None, session: dict | None = None) -> _RunDirs:
     """R: the run's fresh /work and /tmp, each ``disk_mb`` MiB: tmpfs mounts in the prepared root, or,
-    without namespaces, directories under ``rundir`` (owned by the slot uid). Raises OSError."""
+    without namespaces, directories under ``rundir`` (owned by the slot uid). With a ``session`` (from the
+    service, never the caller: ``dir`` and the relative ``lower`` layers), /work is instead an overlayfs of
+    the session's layers whose changes go to its ``upper`` directory, handed to the slot uid first
+    (:mod:`sandbox_service.sessions`). Raises OSError."""
     opts = f"size={lim['disk_mb']}m,mode=0700" + (f",uid={w.uid},gid={w.uid}" if w.uid is not None else "")
     if w.root:
+        flags = isolation.MS_NOSUID | isolation.MS_NODEV
+        if session is not None:
+            isolation.mount("tmpfs", os.path.join(w.root, "tmp"), "tmpfs", flags, opts)
+            try:
+                own_tree(os.path.join(session["dir"], "upper"), w.uid)
+            except OSError as e:  # what earlier runs of the session made, never the environment's fault
+                raise RequestError(f"sandbox: the session's workspace cannot be handed to this run: {e}") from None
+            os.chdir(session["dir"])  # the layers' paths are relative: the mount data is one page
+            isolation.mount("overlay", os.path.join(w.root, "work"), "overlay", flags,
+                            f"lowerdir={session['lower']},upperdir=upper,workdir=work,index=off,metacopy=off,"
+                            "redirect_dir=off")
+            os.chdir("/")
+            return _RunDirs(os.path.join(w.root, "work"), "/work", "/tmp", os.path.join(w.root, "tmp"), True)
         for d in ("work", "tmp"):
-            isolation.mount("tmpfs", os.path.join(w.root, d), "tmpfs", isolation.MS_NOSUID | isolation.MS_NODEV, opts)
+            isolation.mount("tmpfs", os.path.join(w.root, d), "tmpfs", flags, opts)
         return _RunDirs(os.path.join(w.root, "work"), "/work", "/tmp")
     work, tmp = os.path.join(rundir, "work"), os.path.join(rundir, "tmp")
     os.mkdir(rundir, 0o711)
@@ -181,18 +240,23 @@ def _make_run_dirs(w: Worker, lim: dict, rundir: str | None) -> _RunDirs:
     return _RunDirs(work, work, tmp)
 
 
-def _write_run_files(w: Worker, req: dict, source: str, host_work: str) -> None:
-    """R: write the code (as ``source``) and the request's files into ``host_work``, owned by the slot uid.
+def _write_run_files(w: Worker, req: dict, source: str, dirs: _RunDirs) -> None:
+    """R: write the code (as ``source``) and the request's files into the run's /work, owned by the slot uid
+    (in a session: the code into /tmp, the files into the workspace without following symlinks).
 
     Raises:
         RequestError: they do not fit the run's disk or memory limit (or another OSError writing them).
     """
     lim = req["limits"]
     try:
-        _write_tree(host_work, {source: req["code"], **req.get("files", {})}, w.uid)
+        if dirs.session:
+            _write_tree(dirs.host_tmp, {source: req["code"]}, w.uid)
+            _write_tree_nofollow(dirs.host_work, req.get("files", {}), w.uid)
+        else:
+            _write_tree(dirs.host_work, {source: req["code"], **req.get("files", {})}, w.uid)
     except OSError as e:
         raise RequestError(f"sandbox: the run's files do not fit (disk_mb={lim['disk_mb']}, "
-                           f"memory_mb={lim['memory_mb']}): {e}") from None
+                           f"memory_mb={lim['memory_mb']}) or a path in the workspace is not a directory: {e}") from None
 
 
 def _prime_stdin(text: str, stdin_w: int) -> memoryview:
@@ -279,6 +343,8 @@ def _program(w: Worker, pipes: dict, ctl_r: int, rsp_w: int, stdin_r: int, close
             os.close(_CTL_FD)
             os.close(_RSP_FD)
         os.chdir(work)
+        if go.get("session"):  # the source is in /tmp: the workspace's modules import as from its directory
+            sys.path.insert(0, work)
         _confine(w, lim, work, tmp, init=False)
         env = dict(SANDBOX_ENV, HOME=work, TMPDIR=tmp)
         os.environ.clear()

@@ -193,3 +193,63 @@ class ExecuteResult(BaseModel):
     degraded: list[str] = Field(default_factory=list)
     """Isolation layers that were unavailable or switched off for this run (``cgroups``, ``landlock``,
     ``namespaces``, ``seccomp``, ``uid``); empty under full isolation."""
+
+
+DIGEST_PATTERN = r"^[0-9a-f]{64}$"
+"""A workspace's name: the lowercase sha256 hex of its archive's bytes."""
+
+
+class WorkspaceAnswer(BaseModel):
+    """Body of ``PUT`` and ``GET /v1/workspaces/{digest}``."""
+
+    model_config = ConfigDict(extra="forbid")
+    digest: str
+    files: int
+    """Regular files in the workspace."""
+    bytes: int
+    """Unpacked size (bytes)."""
+
+
+class SessionRequest(BaseModel):
+    """Body of ``POST /v1/sessions``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    workspace: str | None = Field(None, pattern=DIGEST_PATTERN)
+    """The digest of a workspace put with ``PUT /v1/workspaces/{digest}`` (404 when unknown: put it and retry);
+    ``None``: an empty /work that still persists across the session's executions."""
+    ttl_s: float = Field(600.0, gt=0, le=3600, allow_inf_nan=False)
+    """Seconds until the session ends by itself (if not deleted before)."""
+    disk_mb: int | None = Field(None, ge=1, le=65536)
+    """The session's disk limit (MiB; default ``sandbox.session_disk_mb``): when its snapshots and changes hold
+    more after a run, the session is ended."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _utf8(cls, data: Any) -> Any:
+        return require_utf8(data)
+
+
+class SessionAnswer(BaseModel):
+    """Body of the 201 answer of ``POST /v1/sessions``."""
+
+    model_config = ConfigDict(extra="forbid")
+    session_id: str
+    workspace: str | None
+    expires_at: float
+    """Unix seconds when the session ends by itself."""
+
+
+class SnapshotAnswer(BaseModel):
+    """Body of ``POST /v1/sessions/{id}/snapshots`` (201) and ``.../rollback`` (200)."""
+
+    model_config = ConfigDict(extra="forbid")
+    snapshot: int
+    """The snapshot's number: 0 is the starting workspace, then 1, 2, ... in order taken."""
+
+
+class RollbackRequest(BaseModel):
+    """Body of ``POST /v1/sessions/{id}/rollback``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    snapshot: int = Field(ge=0)
+    """The snapshot to return to; the snapshots taken after it are dropped."""

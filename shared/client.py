@@ -358,8 +358,8 @@ class AsyncApiClient:
 
     async def request(self, method: str, path: str, *, json: Any = None, params: dict | None = None,
                       headers: dict[str, str] | None = None, timeout: float | httpx.Timeout | None = None,
-                      deadline_s: float | None = None) -> httpx.Response:
-        """As :meth:`ApiClient.request`.
+                      deadline_s: float | None = None, content: bytes | None = None) -> httpx.Response:
+        """As :meth:`ApiClient.request`; ``content``: a raw body instead of ``json``.
 
         Raises:
             ApiUnreachable, ApiStatusError, httpx.HTTPError: as :meth:`ApiClient.request`.
@@ -373,7 +373,7 @@ class AsyncApiClient:
             response = error = None
             try:
                 response = await self.http.request(call.method, path, json=json, params=params, headers=hdrs,
-                                                   timeout=call.attempt_timeout(base))
+                                                   content=content, timeout=call.attempt_timeout(base))
             except httpx.TransportError as e:
                 error = e
             pause = call.after(response, error)

@@ -14,12 +14,13 @@
     flywheel budget examples/arithmetic.yaml [--history runs/arithmetic.json] [--json]   # a run's rollout cost, before it
     flywheel analytics [--follow]               # the topics into <run dir>/analytics.duckdb (incremental)
     flywheel analytics query "SELECT ..." [--json]   # SQL on it (or a documented question by name)
+    flywheel env check --path envs/my_env.py [--args '{"n": 50}'] [--rows N] [--score TEXT]   # an environment, no run
 
 The typer ``app`` is assembled here from the command groups: :mod:`~flywheel.cli.train` (``run``, ``job``),
 :mod:`~flywheel.cli.system` (``up``, ``down``, ``status``, ``prepare``), :mod:`~flywheel.cli.operate`
 (``submit``, ``domains``, ``alerts``, ``control``), :mod:`~flywheel.cli.tools` (``tasks``, ``budget``,
-``judge-calibrate``), :mod:`~flywheel.cli.analytics` and ``clean`` (:mod:`flywheel.clean`); what they share is
-in :mod:`~flywheel.cli.common` and :mod:`~flywheel.cli.client`.
+``judge-calibrate``), :mod:`~flywheel.cli.analytics`, :mod:`~flywheel.cli.env` (``env check``) and ``clean``
+(:mod:`flywheel.clean`); what they share is in :mod:`~flywheel.cli.common` and :mod:`~flywheel.cli.client`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import typer
 
 from flywheel.clean import clean_cmd
 from flywheel.cli.analytics import analytics_app
+from flywheel.cli.env import env_app
 from flywheel.cli.operate import alerts_cmd, control_cmd, domains_cmd, submit_cmd
 from flywheel.cli.system import down, prepare, status, up
 from flywheel.cli.tools import budget_cmd, judge_calibrate, tasks_cmd
@@ -49,3 +51,4 @@ app.command("tasks")(tasks_cmd)
 app.command("budget")(budget_cmd)
 app.command("judge-calibrate")(judge_calibrate)
 app.add_typer(analytics_app, name="analytics")
+app.add_typer(env_app, name="env")

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import orjson
 import typer
 
-from flywheel.cli.common import _state, console
+from flywheel.cli.common import _state, console, print_table
 
 
 analytics_app = typer.Typer(help="The topics in DuckDB: `flywheel analytics` ingests (incrementally, no "
@@ -122,5 +122,5 @@ def analytics_query(
     table = Table(*cols)
     for row in rows:
         table.add_row(*("NULL" if v is None else str(v) for v in row))
-    console.print(table)
+    print_table(table)
     console.print(f"{len(rows)} rows")

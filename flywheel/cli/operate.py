@@ -12,7 +12,7 @@ import orjson
 import typer
 
 from flywheel.cli.client import _call, _target, scheduler_client, submit_tasks
-from flywheel.cli.common import COMMAND_RETRY_S, RetryOpt, SystemDirOpt, UrlOpt, _read_jsonl, console
+from flywheel.cli.common import COMMAND_RETRY_S, RetryOpt, SystemDirOpt, UrlOpt, _read_jsonl, console, print_table
 from shared.client import ApiError
 
 
@@ -52,7 +52,7 @@ def domains_cmd(run_dir: SystemDirOpt = None,
                       f"{d['tasks']['train']}/{d['tasks']['eval']}", str(d["tasks"]["retired"]),
                       str(d["tasks"]["flagged"]), f"{spent:.0f}",
                       ", ".join(f"{k} {v:g}" for k, v in d["budget_left"].items()) or "-")
-    console.print(table)
+    print_table(table)
 
 
 def _alert_rows(reply: dict, active_only: bool) -> list[tuple[bool, dict]]:
@@ -99,7 +99,7 @@ def alerts_cmd(run_dir: SystemDirOpt = None, url: UrlOpt = None,
                       "[bold]active[/]" if is_active else a["status"], num(a.get("value")), num(a.get("threshold")),
                       num(a.get("reference")), f"{a['window']} {a['window_unit']}" if a.get("window") else "-",
                       str(a.get("policy_version", 0)), a["message"])
-    console.print(table)
+    print_table(table)
 
 
 def control_cmd(

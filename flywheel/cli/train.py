@@ -46,7 +46,7 @@ def run(
     system, cfg = _start(config, set_, run_dir, fresh=True)
     try:
         result = _train(system, cfg, t0, timeout, tasks, retry_s=retry, report=report)
-    except (httpx.HTTPError, RunStalled) as e:
+    except (httpx.HTTPError, RunStalled, TimeoutError) as e:
         raise _stopped(e) from None
     finally:
         _stop(system)
@@ -77,16 +77,18 @@ def job(
     try:
         where = run_dir or _local_run_dir(url) or Path(os.path.expanduser(cfg.run.dir))
         result = _train(RemoteSystem(url.rstrip("/"), where), cfg, t0, timeout, tasks, retry_s=retry)
-    except (httpx.HTTPError, RunStalled) as e:
+    except (httpx.HTTPError, RunStalled, TimeoutError) as e:
         raise _stopped(e) from None
     _summarise(result, report)
 
 
 def _stopped(e: Exception) -> typer.Exit:
-    """Say why the job stopped and give the exit (1) to raise: a stalled run, or the scheduler unreachable or
-    answering an error (shared.client's ApiError names the URL, attempts and last error; other HTTP errors are
-    named by type)."""
+    """Say why the job stopped and give the exit (1) to raise: a stalled run, the ``--timeout`` reached (the
+    report, when asked for, holds what the run reached), or the scheduler unreachable or answering an error
+    (shared.client's ApiError names the URL, attempts and last error; other HTTP errors are named by type)."""
     why = e if isinstance(e, (ApiError, RunStalled)) else f"{type(e).__name__}: {e}"
+    if isinstance(e, TimeoutError):
+        why = f"{why} (--timeout; the report, with --report, holds the steps reached and the alerts raised)"
     console.print(f"[red]the job stopped: {why}[/]")
     return typer.Exit(1)
 

@@ -25,9 +25,11 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from shared.envs.sandbox import Workspace, pack_workspace
 from shared.envs.tools import tool_schema
 from shared.tools import PARSERS
 
@@ -179,14 +181,20 @@ class Environment:
             ``{"question": "problem", "answer": "solution"}``.
         name: the domain's default name (the driver falls back to the reference's id, module or file stem).
         tools: Python functions the model may call (:mod:`shared.envs.tools`: schema from type hints and a
-            Google-style docstring; ``state`` and ``task`` parameters are injected).
+            Google-style docstring; ``state``, ``task`` and ``sandbox`` parameters are injected).
+        workspace: a directory each rollout's sandbox session starts from as its own copy (``/work``, kept
+            across the rollout's turns, with snapshots and rollback); tools and hooks reach it through their
+            ``sandbox`` parameter (:class:`shared.envs.sandbox.Sandbox`). ``None``: the session's ``/work``
+            starts empty. Give it relative to your module (``Path(__file__).parent / "repo"``): a relative
+            path is read from the service's working directory (the run directory).
         setup: called once per rollout before the first turn, to fill ``state`` (takes any of ``state``,
-            ``task``, ``prompt``, ``answer``, ``info``).
+            ``task``, ``prompt``, ``answer``, ``info``, ``sandbox``).
         env_response: called after an assistant turn that makes no tool call: returns the next user message, or
             ``None`` when the rollout is done (takes any of ``completion``, ``state``, ``task``, ``turn``,
-            ``answer``, ``info``, ``prompt``). Without it such a turn ends the rollout.
-        cleanup: called once per rollout at its end, whatever happened (takes ``state`` and the rest as
-            ``setup``).
+            ``answer``, ``info``, ``prompt``, ``sandbox``). Without it such a turn ends the rollout.
+        cleanup: called once per rollout at its end, whatever happened, before its sandbox session ends (takes
+            ``completion``, the last assistant turn, and the rest as ``setup``): the place to read the
+            workspace's final state into ``state`` for the rewards.
         tool_parser: how the model writes calls: ``hermes`` (``<tool_call>{...}</tool_call>``, the default) or
             ``llama3_json`` (a bare ``{"name", "parameters"}`` object); :data:`shared.tools.PARSERS`.
         max_turns: assistant turns per rollout (default 1, or 4 with tools or ``env_response``).
@@ -194,7 +202,8 @@ class Environment:
 
     Raises:
         TypeError, ValueError: as :class:`Rubric` for a bad rubric; a tool whose schema cannot be built; a
-            hook that is not callable; ``max_turns`` < 1.
+            hook that is not callable; ``max_turns`` < 1; a ``workspace`` that is not a directory of regular
+            files and directories.
     """
 
     dataset: Any
@@ -210,6 +219,7 @@ class Environment:
     max_turns: int | None = None
     hook_timeout_s: float = 10.0
     tool_parser: str = "hermes"
+    workspace: str | os.PathLike | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rubric, Rubric):
@@ -226,11 +236,25 @@ class Environment:
             self.max_turns = 4 if self.multi_turn else 1
         if self.max_turns < 1 or not math.isfinite(self.hook_timeout_s) or self.hook_timeout_s <= 0:
             raise ValueError(f"max_turns must be >= 1 and hook_timeout_s > 0 ({self.max_turns}, {self.hook_timeout_s})")
+        if self.workspace is not None:
+            self.workspace = os.path.abspath(self.workspace)
+            pack_workspace(self.workspace)  # refused now, with the path, rather than at a rollout
+
+    def packed_workspace(self) -> Workspace | None:
+        """The workspace as the sandbox receives it (packed once per process), or ``None``."""
+        return None if self.workspace is None else pack_workspace(str(self.workspace))
 
     @property
     def multi_turn(self) -> bool:
         """Whether rollouts of this environment run its loop (it has tools or an ``env_response``)."""
         return bool(self.tools) or self.env_response is not None
+
+    @property
+    def runs_loop(self) -> bool:
+        """Whether rollouts of this environment go through the rollout's environment loop: multi-turn, or with a
+        ``setup``/``cleanup`` hook or a ``workspace`` (a single turn whose state or workspace the rewards read)."""
+        return (self.multi_turn or self.setup is not None or self.cleanup is not None
+                or self.workspace is not None)
 
     def tool_schemas(self) -> list[dict[str, Any]]:
         return [tool_schema(t) for t in self.tools]

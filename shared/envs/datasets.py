@@ -94,8 +94,10 @@ def normalise_row(row: dict[str, Any], columns: dict[str, str] | None = None, wh
     return out
 
 
-def load_rows(source: Any, columns: dict[str, str] | None = None, split: str = "train") -> list[dict[str, Any]]:
-    """The normalised rows of ``source`` (see the module docstring), at most :data:`MAX_ROWS`.
+def load_rows(source: Any, columns: dict[str, str] | None = None, split: str = "train",
+              limit: int | None = None) -> list[dict[str, Any]]:
+    """The normalised rows of ``source`` (see the module docstring), at most :data:`MAX_ROWS`, or only its first
+    ``limit`` (``flywheel env check --rows``: the rows after them are neither decoded nor checked).
 
     Raises:
         DatasetError: unreadable source, unknown format, missing split, or a bad row (the first one found).
@@ -105,6 +107,8 @@ def load_rows(source: Any, columns: dict[str, str] | None = None, split: str = "
         rows = _read(source, split)
         out = []
         for i, row in enumerate(rows):
+            if limit is not None and i >= limit:
+                break
             if i >= MAX_ROWS:
                 raise DatasetError(f"{label} has more than {MAX_ROWS} rows")
             out.append(normalise_row(dict(row) if not isinstance(row, dict) and hasattr(row, "keys") else row,
@@ -114,3 +118,18 @@ def load_rows(source: Any, columns: dict[str, str] | None = None, split: str = "
         raise
     except (OSError, ValueError, orjson.JSONDecodeError) as e:
         raise DatasetError(f"{label} cannot be read: {type(e).__name__}: {e}") from e
+
+
+def check_first_row(source: Any, columns: dict[str, str] | None = None, name: str = "dataset") -> None:
+    """Normalise the first row of an in-memory dataset (a list or tuple of rows), so that a row without its prompt
+    or a mapped column is found when the environment is built, not when its rows are first read. A path is not
+    opened: the services that build an environment may run where a relative path names nothing, and one row of
+    every format cannot be read without reading much more.
+
+    Raises:
+        DatasetError: as :func:`normalise_row`, for row 0 (the message calls it ``<name> row 0``).
+    """
+    if isinstance(source, (list, tuple)) and source:
+        row = source[0]
+        normalise_row(dict(row) if not isinstance(row, dict) and hasattr(row, "keys") else row, columns,
+                      f"{name} row 0")

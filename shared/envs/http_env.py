@@ -1,23 +1,29 @@
-"""Environments served over HTTP: an OpenEnv server (``POST /reset``, ``POST /step``) as a multi-turn
-:class:`~shared.envs.api.Environment`.
+"""Environments served over HTTP: an OpenEnv server (``POST /reset``, ``POST /step``, or its WebSocket ``/ws``) as
+a multi-turn :class:`~shared.envs.api.Environment`.
 
-OpenEnv (github.com/meta-pytorch/OpenEnv) serves one environment per server process: ``POST /reset`` (a JSON body,
-``{}`` or with ``seed``, ``episode_id`` and the environment's own fields) starts an episode, ``POST /step`` with
-``{"action": {...}}`` acts in it, and both answer ``{"observation": {...}, "reward": float | null, "done": bool}``.
-The plain HTTP endpoints carry no session: an episode lives in the server, so one server plays one episode at a
-time (current OpenEnv servers keep sessions only on their WebSocket ``/ws``, and answer each HTTP request with a
-fresh environment: serve such an environment with one instance per process, as older OpenEnv servers did).
+OpenEnv (github.com/meta-pytorch/OpenEnv) has two transports, chosen by ``transport``:
 
-:func:`openenv_environment` therefore takes a **pool** of server URLs. Each rollout leases a free server in
+- ``"http"`` (the default): ``POST /reset`` (a JSON body, ``{}`` or with ``seed``, ``episode_id`` and the
+  environment's own fields) starts an episode, ``POST /step`` with ``{"action": {...}}`` acts in it, and both
+  answer ``{"observation": {...}, "reward": float | null, "done": bool}``. The plain HTTP endpoints carry no
+  session: the episode lives in the server, so one server plays one episode at a time. This is for servers that
+  keep one environment per process: OpenEnv's 0.1.x (openenv-core), or your own. Current OpenEnv servers
+  answer each HTTP request with a **fresh** environment, so a step there never sees the reset: use ``"ws"``.
+- ``"ws"``: OpenEnv's WebSocket ``/ws`` (openenv-core 0.2.0 and later), one session, so one environment, per
+  connection: each rollout opens its own, and one server plays as many episodes at once as its
+  ``max_concurrent_envs`` allows (:mod:`shared.envs.openenv_ws`).
+
+:func:`openenv_environment` takes a **pool** of server URLs. Over HTTP each rollout leases a free server in
 ``setup`` for its whole life, and gives it back in ``cleanup`` (which the rollout runs whatever happened): run at
 least as many servers as rollouts that play at once (``samples_per_task`` times the groups the rollout service
-runs together). A rollout that finds no free server within ``acquire_timeout_s`` is an error sample, never a
-wait without end. The pool lives in the process that loaded the environment: give every rollout-service process
-its own servers.
+runs together). Over WebSocket a rollout takes a place on the least busy server (``sessions_per_server`` places
+each, no limit by default), opens its session in ``setup`` and closes it in ``cleanup``. A rollout that finds no
+room within ``acquire_timeout_s`` is an error sample, never a wait without end. The pool lives in the process that
+loaded the environment: give every rollout-service process its own servers (or places).
 
 Per rollout:
 
-- ``setup`` leases a server and POSTs ``/reset`` with the row's ``info["reset"]`` (a dict, ``{}`` without one).
+- ``setup`` takes a server and resets with the row's ``info["reset"]`` (a dict, ``{}`` without one).
   The first observation is **not shown** to the model: the rollout's prompt is the dataset row's, made before the
   episode starts, so the row must say what the task is (and ``info["reset"]`` pick the episode, by ``seed`` for
   instance). It is kept in ``state["openenv"]["reset_observation"]`` only when small (see
@@ -29,26 +35,24 @@ Per rollout:
   rubric's one function, ``openenv_reward``, reads them: their sum, or the last non-null one, mapped from
   ``reward_range`` onto [0, 1].
 
-A server that cannot be reached, answers late, with a status other than 2xx, or with something other than the
-protocol's JSON raises :class:`OpenEnvError` in the hook, which the rollout turns into an error sample (an
-infrastructure failure, retried and counted, never a 0 reward); a state without an episode, or a reward outside
-``reward_range``, is a :class:`~shared.envs.api.RewardError` in the verifier, the same. The verifier and the driver
-load the environment too, but never call a server: rewards read only the state.
+A server that cannot be reached, answers late, with a status other than 2xx (over WebSocket: an ``error``
+message, or the connection closed mid-episode), or with something other than the protocol's JSON raises
+:class:`OpenEnvError` in the hook, which the rollout turns into an error sample (an infrastructure failure,
+retried and counted, never a 0 reward); a state without an episode, or a reward outside ``reward_range``, is a
+:class:`~shared.envs.api.RewardError` in the verifier, the same. The verifier and the driver load the environment
+too, but never call a server: rewards read only the state.
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import math
-import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import orjson
 
 from shared.envs.api import Environment, RewardError, Rubric
+from shared.envs.openenv_pool import OpenEnvError, ServerPool, parse_result
 
 OBSERVATION_CHARS = 4000
 """Default longest observation shown to the model (characters); longer ones are cut in the middle."""
@@ -56,73 +60,6 @@ OBSERVATION_CHARS = 4000
 STATE_OBSERVATION_CHARS = 2000
 """Largest reset observation (compact JSON, characters) kept in the state; the state travels with the
 trajectory and must stay small."""
-
-POLL_S = 0.02
-"""How often a rollout waiting for a free server looks again (seconds)."""
-
-
-class OpenEnvError(RuntimeError):
-    """An OpenEnv server could not be used: it did not answer (connection refused, a timeout), answered with a
-    status other than 2xx, or with a body that is not the protocol's JSON; or no server of the pool was free in
-    time. Raised in a hook, it makes the rollout an error sample (an infrastructure failure, never a 0 reward);
-    the message names the server and the request."""
-
-
-class ServerPool:
-    """Server URLs, each leased to one rollout at a time. Thread-safe and free of event-loop state, so one pool
-    serves every loop and thread of its process.
-
-    Raises:
-        ValueError: no URL, a URL that is not ``http://`` or ``https://``, or the same URL twice.
-    """
-
-    def __init__(self, urls: str | Sequence[str]) -> None:
-        urls = [urls] if isinstance(urls, str) else list(urls)
-        self.urls = [str(u).rstrip("/") for u in urls]
-        bad = [u for u in self.urls if not u.startswith(("http://", "https://"))]
-        if not self.urls or bad or len(set(self.urls)) != len(self.urls):
-            raise ValueError(f"openenv url: one or more distinct http(s):// URLs, got {urls!r}")
-        self._leases: dict[str, int | None] = dict.fromkeys(self.urls)
-        self._lock = threading.Lock()
-        self._tokens = itertools.count(1)
-
-    def try_acquire(self) -> tuple[str, int] | None:
-        """A free server's URL and the lease's token, or None when every server is leased."""
-        with self._lock:
-            for url, holder in self._leases.items():
-                if holder is None:
-                    self._leases[url] = token = next(self._tokens)
-                    return url, token
-        return None
-
-    async def acquire(self, wait_s: float) -> tuple[str, int]:
-        """A free server, waiting up to ``wait_s`` seconds for one.
-
-        Raises:
-            OpenEnvError: every server stayed leased for ``wait_s``.
-        """
-        deadline = time.monotonic() + wait_s
-        while (lease := self.try_acquire()) is None:
-            if time.monotonic() >= deadline:
-                raise OpenEnvError(f"all {len(self.urls)} OpenEnv servers are in use (waited {wait_s:g} s): one "
-                                   "server plays one rollout at a time; run as many as rollouts play at once")
-            await asyncio.sleep(POLL_S)
-        return lease
-
-    def release(self, url: str, token: int) -> bool:
-        """Give back ``url`` if ``token`` still holds it; whether it did."""
-        with self._lock:
-            if self._leases.get(url) != token:
-                return False
-            self._leases[url] = None
-            return True
-
-    @property
-    def in_use(self) -> int:
-        """How many servers are leased now."""
-        with self._lock:
-            return sum(holder is not None for holder in self._leases.values())
-
 
 async def _post(url: str, path: str, body: dict[str, Any], timeout_s: float,
                 headers: dict[str, str] | None) -> dict[str, Any]:
@@ -153,24 +90,6 @@ async def _post(url: str, path: str, body: dict[str, Any], timeout_s: float,
     return data
 
 
-def parse_result(data: dict[str, Any], where: str) -> tuple[dict[str, Any], float | None, bool]:
-    """``(observation, reward, done)`` of a reset or step answer.
-
-    Raises:
-        OpenEnvError: ``observation`` is not an object, ``reward`` not a finite number or null, ``done`` not a
-            boolean.
-    """
-    observation, reward, done = data.get("observation"), data.get("reward"), data.get("done", False)
-    if not isinstance(observation, dict):
-        raise OpenEnvError(f"{where}: 'observation' is {type(observation).__name__}, not an object "
-                           f"(keys of the answer: {sorted(data)[:20]})")
-    if reward is not None and (not isinstance(reward, (int, float)) or not math.isfinite(reward)):
-        raise OpenEnvError(f"{where}: 'reward' is {str(reward)[:50]!r}, not a finite number or null")
-    if not isinstance(done, bool):
-        raise OpenEnvError(f"{where}: 'done' is {str(done)[:50]!r}, not a boolean")
-    return observation, None if reward is None else float(reward), done
-
-
 def render_observation(observation: dict[str, Any], field: str | None, max_chars: int = OBSERVATION_CHARS) -> str:
     """The text the model reads: ``observation[field]`` (text as it is, anything else as compact JSON), or the
     whole observation as compact JSON when ``field`` is None; cut in the middle past ``max_chars``.
@@ -186,34 +105,71 @@ def render_observation(observation: dict[str, Any], field: str | None, max_chars
 
 
 @dataclass(eq=False)
-class OpenEnvHooks:
-    """The hooks and the reward of :func:`openenv_environment` (see the module docstring); one per environment,
-    shared by its rollouts, which keep their own part in ``state["openenv"]``."""
+class HttpTransport:
+    """The HTTP transport: a server of the pool leased per rollout, ``POST /reset`` and ``POST /step`` on it."""
 
     pool: ServerPool
+    timeout_s: float
+    acquire_timeout_s: float
+    headers: dict[str, str] | None
+    name = "http"
+
+    async def begin(self) -> dict[str, Any]:
+        """Lease a server: the episode's ``url`` and ``lease``.
+
+        Raises:
+            OpenEnvError: no free server in time.
+        """
+        url, token = await self.pool.acquire(self.acquire_timeout_s)
+        return {"url": url, "lease": token}
+
+    async def reset(self, episode: dict, body: dict[str, Any]) -> tuple[dict[str, Any], float | None, bool]:
+        url = episode["url"]
+        return parse_result(await _post(url, "/reset", body, self.timeout_s, self.headers), f"POST {url}/reset")
+
+    async def step(self, episode: dict, action: dict[str, Any]) -> tuple[dict[str, Any], float | None, bool]:
+        url = episode["url"]
+        return parse_result(await _post(url, "/step", {"action": action}, self.timeout_s, self.headers),
+                            f"POST {url}/step")
+
+    async def end(self, episode: dict) -> None:
+        """Give the server back (nothing when the episode holds no lease)."""
+        if "lease" in episode:
+            self.pool.release(episode["url"], episode.pop("lease"))
+
+
+@dataclass(eq=False)
+class OpenEnvHooks:
+    """The hooks and the reward of :func:`openenv_environment` (see the module docstring); one per environment,
+    shared by its rollouts, which keep their own part in ``state["openenv"]``. ``transport`` is
+    :class:`HttpTransport` or :class:`shared.envs.openenv_ws.WebSocketTransport`."""
+
+    transport: Any
     action: Callable[[str], dict[str, Any]]
     observation_field: str | None
     reward: str
     reward_range: tuple[float, float]
-    timeout_s: float
-    acquire_timeout_s: float
-    headers: dict[str, str] | None
     max_observation_chars: int
 
+    @property
+    def pool(self) -> ServerPool:
+        """The transport's servers."""
+        return self.transport.pool
+
     async def setup(self, state: dict, info: dict) -> None:
-        """Lease a server and start an episode on it (``POST /reset`` with ``info["reset"]``).
+        """Lease a server (over WebSocket: and open a session on it) and start an episode (reset with
+        ``info["reset"]``).
 
         Raises:
-            OpenEnvError: no free server in time, ``info["reset"]`` is not a dict, or the reset failed.
+            OpenEnvError: no free server in time, ``info["reset"]`` is not a dict, or the connection or the reset
+                failed.
         """
         body = (info or {}).get("reset")
         body = {} if body is None else body
         if not isinstance(body, dict):
-            raise OpenEnvError(f"the row's info['reset'] is {type(body).__name__}, not a dict (the /reset body)")
-        url, token = await self.pool.acquire(self.acquire_timeout_s)
-        episode = state["openenv"] = {"url": url, "lease": token, "rewards": [], "done": False, "steps": 0}
-        observation, reward, done = parse_result(await _post(url, "/reset", body, self.timeout_s, self.headers),
-                                                 f"POST {url}/reset")
+            raise OpenEnvError(f"the row's info['reset'] is {type(body).__name__}, not a dict (the reset's body)")
+        episode = state["openenv"] = {**await self.transport.begin(), "rewards": [], "done": False, "steps": 0}
+        observation, reward, done = await self.transport.reset(episode, body)
         if reward is not None:
             episode["rewards"].append(reward)
         episode["done"] = done
@@ -222,7 +178,7 @@ class OpenEnvHooks:
             episode["reset_observation"] = orjson.loads(kept)
 
     async def env_response(self, completion: str, state: dict) -> str | None:
-        """Send ``completion`` as the action (``POST /step``); the observation as text, or None when done.
+        """Send ``completion`` as the action (a step); the observation as text, or None when done.
 
         Raises:
             OpenEnvError: the rollout has no episode (setup did not run), the step failed, or the observation
@@ -233,20 +189,18 @@ class OpenEnvHooks:
             raise OpenEnvError("no OpenEnv episode in this rollout's state: its setup did not run")
         if episode["done"]:
             return None
-        url = episode["url"]
-        observation, reward, done = parse_result(
-            await _post(url, "/step", {"action": self.action(completion)}, self.timeout_s, self.headers),
-            f"POST {url}/step")
+        observation, reward, done = await self.transport.step(episode, self.action(completion))
         episode["steps"] += 1
         episode["rewards"].append(reward)
         episode["done"] = done
         return None if done else render_observation(observation, self.observation_field, self.max_observation_chars)
 
     async def cleanup(self, state: dict) -> None:
-        """Give the rollout's server back to the pool (nothing when setup leased none); async: no worker thread."""
+        """End the rollout's hold on its server (HTTP: give it back; WebSocket: close the session, then give it
+        back); nothing when setup took none. Never raises: the episode is over."""
         episode = state.get("openenv")
-        if isinstance(episode, dict) and "lease" in episode:
-            self.pool.release(episode["url"], episode.pop("lease"))
+        if isinstance(episode, dict):
+            await self.transport.end(episode)
 
     def openenv_reward(self, state: dict) -> dict[str, float]:
         """The episode's reward in [0, 1]: the sum of the server's rewards (``reward="sum"``) or the last non-null
@@ -270,36 +224,56 @@ class OpenEnvHooks:
                 "done": float(bool(episode.get("done")))}
 
 
-def openenv_environment(url: str | Sequence[str], *, dataset: Any, action_field: str = "message",
-                        action: Callable[[str], dict[str, Any]] | None = None, observation_field: str | None = None,
-                        reward: str = "sum", reward_range: tuple[float, float] = (0.0, 1.0), max_turns: int = 8,
-                        timeout_s: float = 30.0, acquire_timeout_s: float = 10.0, system_prompt: str | None = None,
-                        headers: dict[str, str] | None = None, max_observation_chars: int = OBSERVATION_CHARS,
-                        **environment: Any) -> Environment:
+TRANSPORTS = ("http", "ws")
+"""The transports :func:`openenv_environment` speaks: ``http`` (``POST /reset``, ``/step``; one episode per server)
+and ``ws`` (OpenEnv's ``/ws``, one session per rollout; :mod:`shared.envs.openenv_ws`)."""
+
+
+def openenv_environment(url: str | Sequence[str], *, dataset: Any, transport: str = "http",
+                        action_field: str = "message", action: Callable[[str], dict[str, Any]] | None = None,
+                        observation_field: str | None = None, reward: str = "sum",
+                        reward_range: tuple[float, float] = (0.0, 1.0), max_turns: int = 8, timeout_s: float = 30.0,
+                        acquire_timeout_s: float = 10.0, sessions_per_server: int | None = None,
+                        system_prompt: str | None = None, headers: dict[str, str] | None = None,
+                        max_observation_chars: int = OBSERVATION_CHARS, **environment: Any) -> Environment:
     """A multi-turn environment played on OpenEnv servers (see the module docstring), for a loading function.
 
     Args:
-        url: the server's base URL, or a list of them: the pool, one rollout per server at a time.
+        url: the server's base URL, or a list of them (the pool).
         dataset: the rows (as :class:`~shared.envs.api.Environment`): each row's prompt is what the model first
-            reads; its ``info["reset"]``, a dict, is the ``/reset`` body (``{}`` without one).
+            reads; its ``info["reset"]``, a dict, is the reset's body (``{}`` without one).
+        transport: ``"http"``: ``POST /reset`` and ``/step``, one rollout per server at a time (servers that keep
+            one environment per process: OpenEnv 0.1.x, or your own); ``"ws"``: OpenEnv's
+            WebSocket ``/ws``, one session (connection) per rollout, many per server (openenv-core 0.2.0 and
+            later, whose HTTP endpoints keep no episode). URLs are ``http(s)://`` (``ws(s)://`` too for ``"ws"``).
         action_field: the action's one field the model's text goes in: ``{action_field: text}``.
         action: instead, a function of the model's text returning the action dict.
         observation_field: the observation's field shown to the model (``None``: the whole observation as JSON).
         reward: ``"sum"`` of the server's rewards over the episode, or the ``"last"`` non-null one.
         reward_range: ``(lo, hi)`` the raw reward can take, mapped onto [0, 1] (a pass is 1.0).
         max_turns: assistant turns per rollout (the episode may end before, on ``done``).
-        timeout_s: bound on each HTTP request (connect, write and read, each; seconds).
-        acquire_timeout_s: how long a rollout waits for a free server before it is an error sample (seconds).
+        timeout_s: bound on each HTTP request (connect, write and read, each), or on the WebSocket's opening and
+            each message's answer (seconds).
+        acquire_timeout_s: how long a rollout waits for a server with room before it is an error sample (seconds).
+        sessions_per_server: ``"ws"`` only: the most sessions a rollout-service process opens on one server at a
+            time (the server's ``max_concurrent_envs``; ``None``: no limit); more rollouts wait for room.
         system_prompt: the system message before every prompt given as text.
-        headers: HTTP headers sent with every request (an ``Authorization`` for instance).
+        headers: HTTP headers sent with every request or WebSocket handshake (an ``Authorization`` for instance).
         max_observation_chars: longest observation text shown; longer ones are cut in the middle.
         **environment: other :class:`~shared.envs.api.Environment` arguments (``name``, ``eval_dataset``,
             ``columns``, ``tools``).
 
     Raises:
-        ValueError: a bad URL (see :class:`ServerPool`), ``reward`` not ``sum`` or ``last``, ``reward_range`` not
-            ``lo < hi``, a timeout not > 0; and what :class:`~shared.envs.api.Environment` raises.
+        ValueError: a bad URL (see :class:`ServerPool`), a transport not in :data:`TRANSPORTS`,
+            ``sessions_per_server`` with ``"http"`` or below 1, ``reward`` not ``sum`` or ``last``,
+            ``reward_range`` not ``lo < hi``, a timeout not > 0; and what :class:`~shared.envs.api.Environment`
+            raises.
     """
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
+    if sessions_per_server is not None and (transport != "ws" or sessions_per_server < 1):
+        raise ValueError(f"sessions_per_server is for transport 'ws' and >= 1, not {sessions_per_server!r} "
+                         f"with {transport!r}")
     if reward not in ("sum", "last"):
         raise ValueError(f"reward must be 'sum' or 'last', not {reward!r}")
     lo, hi = (float(x) for x in reward_range)
@@ -308,11 +282,19 @@ def openenv_environment(url: str | Sequence[str], *, dataset: Any, action_field:
     if not (timeout_s > 0 and acquire_timeout_s >= 0 and max_observation_chars > 0):
         raise ValueError(f"timeout_s > 0, acquire_timeout_s >= 0 and max_observation_chars > 0 needed "
                          f"({timeout_s}, {acquire_timeout_s}, {max_observation_chars})")
-    hooks = OpenEnvHooks(ServerPool(url), action or (lambda text: {action_field: text}), observation_field, reward,
-                         (lo, hi), float(timeout_s), float(acquire_timeout_s), dict(headers or {}) or None,
+    headers = dict(headers or {}) or None
+    if transport == "ws":
+        from shared.envs.openenv_ws import WS_SCHEMES, WebSocketTransport  # it imports this module
+
+        pool = ServerPool(url, capacity=sessions_per_server, schemes=WS_SCHEMES)
+        moves: Any = WebSocketTransport(pool, float(timeout_s), float(acquire_timeout_s), headers)
+    else:
+        moves = HttpTransport(ServerPool(url), float(timeout_s), float(acquire_timeout_s), headers)
+    hooks = OpenEnvHooks(moves, action or (lambda text: {action_field: text}), observation_field, reward, (lo, hi),
                          int(max_observation_chars))
-    # the hook bound covers the longest hook, setup: the wait for a server, then the reset's request, with room
-    # for httpx's per-phase timeouts (connect, then read) to fire first and say which
+    # the hook bound covers the longest hook, setup: the wait for a server, then the reset's request (HTTP) or the
+    # connection and the reset's message (WebSocket), with room for the per-phase timeouts to fire first and say
+    # which; a WebSocket cleanup (the close message, then the server's close) fits it too
     bound = acquire_timeout_s + 2 * timeout_s + 1.0
     return Environment(dataset=dataset, rubric=Rubric([hooks.openenv_reward]), system_prompt=system_prompt,
                        setup=hooks.setup, env_response=hooks.env_response, cleanup=hooks.cleanup,

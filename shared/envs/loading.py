@@ -28,6 +28,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.envs.api import Environment
+from shared.envs.datasets import DatasetError, check_first_row
 from shared.jsoncheck import check_json, check_size
 
 ENTRY_POINT_GROUP = "flywheel.environments"
@@ -36,8 +37,8 @@ DEFAULT_FUNCTION = "load_environment"
 
 class EnvironmentLoadError(ValueError):
     """The reference names nothing loadable: no such entry point, module, file or function, the user's code
-    raised while importing or building, or it returned something other than an ``Environment``. The message
-    names the reference's id, module, path and function."""
+    raised while importing or building, it returned something other than an ``Environment``, or its dataset list's
+    first row lacks its prompt column. The message names the reference's id, module, path and function."""
 
 
 class EnvironmentRef(BaseModel):
@@ -139,10 +140,13 @@ def _from_path(spec: str) -> Callable[..., Any]:
 
 def load_environment(ref: EnvironmentRef | dict[str, Any]) -> Environment:
     """Import the referenced code and build its environment; a ``verifiers`` environment it returns is converted
-    (:mod:`shared.envs.verifiers_adapter`).
+    (:mod:`shared.envs.verifiers_adapter`). The first row of a dataset given as a list is checked here
+    (:func:`~shared.envs.datasets.check_first_row`); a dataset given as a path is not opened.
 
     Raises:
-        EnvironmentLoadError: see the class; pydantic.ValidationError: ``ref`` as a dict is malformed.
+        EnvironmentLoadError: see the class; also a dataset list whose first row lacks its prompt or a mapped
+            column (the message names the column and the columns the row has).
+        pydantic.ValidationError: ``ref`` as a dict is malformed.
     """
     ref = EnvironmentRef.model_validate(ref)
     factory = _from_entry_point(ref.id) if ref.id else _from_module(ref.module) if ref.module else _from_path(ref.path)
@@ -166,6 +170,12 @@ def load_environment(ref: EnvironmentRef | dict[str, Any]) -> Environment:
         except UnsupportedVerifiersEnv as e:
             raise EnvironmentLoadError(f"environment {ref.label()} returned a verifiers {type(env).__name__}: "
                                        f"{e}") from e
+    try:
+        check_first_row(env.dataset, env.columns)
+        if env.eval_dataset is not None:
+            check_first_row(env.eval_dataset, env.columns, "eval_dataset")
+    except DatasetError as e:
+        raise EnvironmentLoadError(f"environment {ref.label()}: {e}") from e
     return env
 
 

@@ -4,11 +4,13 @@ The JSON schema the model sees comes from the function's type hints and Google-s
 (``transformers.utils.get_json_schema``, the convention of ``apply_chat_template(tools=...)``), or from a
 ``schema`` attribute set on the function. Parameters named in :data:`INJECTED` are filled by Flywheel, never by
 the model, and are left out of the schema: ``state`` (the rollout's own state dict, shared with the
-environment's ``setup``, ``env_response`` and rewards) and ``task`` (the dataset row), so a tool reaches this
-rollout's data without the model naming it.
+environment's ``setup``, ``env_response`` and rewards), ``task`` (the dataset row) and ``sandbox`` (the rollout's
+sandbox session and workspace, :class:`shared.envs.sandbox.Sandbox`), so a tool reaches this rollout's data
+without the model naming it.
 
-:func:`call_tool` never raises: a malformed call, an unknown tool, arguments that do not fit, a tool that raises
-or runs past its timeout each come back as an ``error: ...`` observation the model reads.
+:func:`call_tool` turns a malformed call, an unknown tool, arguments that do not fit, a tool that raises or runs
+past its timeout each into an ``error: ...`` observation the model reads; only a failure of the sandbox itself
+(:class:`shared.envs.sandbox.SandboxError`) is raised, as :class:`HookError`: that is not the model's doing.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from typing import Any, Callable, Sequence
 
 import orjson
 
-INJECTED = ("state", "task")
+from shared.envs.sandbox import SandboxError
+
+INJECTED = ("state", "task", "sandbox")
 """Tool parameters Flywheel fills (never in the schema, never taken from the model's arguments)."""
 
 OBSERVATION_CHARS = 4000
@@ -95,6 +99,9 @@ async def call_tool(tools: Sequence[Callable], name: str | None, arguments: dict
 
     Sync tools run in a worker thread and async ones on the loop, both bounded by ``timeout_s`` (a sync tool
     past it keeps its thread until it returns; the model is told it timed out).
+
+    Raises:
+        HookError: the tool's sandbox failed (:class:`shared.envs.sandbox.SandboxError`).
     """
     if error is not None:
         return f"error: malformed tool call ({error})"
@@ -115,6 +122,8 @@ async def call_tool(tools: Sequence[Callable], name: str | None, arguments: dict
         result = await _bounded(func, kwargs, timeout_s)
     except asyncio.TimeoutError:
         return f"error: {name} did not finish within {timeout_s:g} s"
+    except SandboxError as e:
+        raise HookError(f"tool {name}: {e}") from e
     except Exception as e:  # noqa: BLE001 - the user's tool: the model sees what went wrong
         return f"error: {name} raised {type(e).__name__}: {str(e)[:500]}"
     return _clip_middle(_observation(result))

@@ -17,6 +17,7 @@ import functools
 import importlib
 import inspect
 import json
+import logging
 import math
 import re
 import signal
@@ -28,6 +29,8 @@ from typing import Any, Callable
 from shared.envs.api import MAX_METRICS, Environment, RewardError, Rubric
 from shared.envs.tools import INJECTED
 from shared.tools import PARSERS
+
+log = logging.getLogger(__name__)
 
 PINNED = "0.3.1"
 """The ``verifiers`` release adapted (the last with the classic API; 0.4 keeps only ``verifiers.v1``)."""
@@ -82,6 +85,7 @@ def from_verifiers(vf_env: Any) -> Environment:
                      "MultiTurnEnv (pip install -e '.[verifiers]')") from None
     kind = _kind(vf_env, vf, refuse)
     leaves = _leaves(vf_env.rubric, vf, refuse)
+    _warn_weights(vf_env, leaves)
     hooks = _Hooks(vf_env) if kind == "multi" else None
     max_turns = 1 if kind == "single" else vf_env.max_turns if vf_env.max_turns > 0 else None  # -1: the default
     try:
@@ -142,6 +146,29 @@ def _leaves(rubric: Any, vf: Any, refuse: Callable[[str], Exception]) -> list[An
             raise refuse(f"group reward function {getattr(f, '__name__', f)!r} (it takes completions, states... "
                          "or returns a list) is not supported: Flywheel scores each completion on its own")
     return [rubric]
+
+
+def _weights(leaves: list[Any]) -> dict[str, float]:
+    """Each reward function's weight by name, over every leaf rubric (a name twice: its weights added)."""
+    out: dict[str, float] = {}
+    for leaf in leaves:
+        for func, weight in zip(leaf.funcs, leaf.weights):
+            name = getattr(func, "__name__", repr(func))
+            out[name] = out.get(name, 0.0) + float(weight)
+    return out
+
+
+def _warn_weights(env: Any, leaves: list[Any]) -> None:
+    """Log a warning when the rubric's weights add to more than 1: its score is their weighted sum, so a rollout
+    that every function gives 1.0 would score above 1, which Flywheel refuses when it scores (a reward error, never
+    a reward); better said once when the environment is loaded than at every scoring."""
+    weights = _weights(leaves)
+    total = sum(weights.values())
+    if total > 1 + 1e-9:
+        log.warning("verifiers environment %s: its rubric's weights %s add to %.4g, more than 1; its score is the "
+                    "weighted sum (Σ weight · value) and Flywheel's rewards are in [0, 1], so a rollout that scores "
+                    "above 1 is a reward error, never trained on: scale the weights to add to 1",
+                    getattr(env, "env_id", None) or type(env).__name__, weights, total)
 
 
 def _rows(dataset: Any, refuse: Callable[[str], Exception]) -> list[dict[str, Any]]:
@@ -214,7 +241,8 @@ def _scorer(env: Any, leaves: list[Any]) -> Callable[..., Any]:
 
     async def verifiers_rubric(**context: Any) -> dict[str, float]:
         """The verifiers rubric's reward of one rollout: Σ weight · function value, as ``score_rollout``; a
-        function that raises or returns no finite number is a :class:`RewardError` (verifiers would count 0)."""
+        function that raises or returns no finite number is a :class:`RewardError` (verifiers would count 0), and
+        so is a weighted sum outside [0, 1] (the message says it is the sum, with the weights and values)."""
         state = _state(env, context["prompt"], context.get("task"), context.get("answer"), context.get("info"))
         done = state["completion"] = _messages(env, context.get("completion"), context.get("turns"))
         state["trajectory"] = [_step(state, state["prompt"] + done[:i], m) for i, m in enumerate(done)
@@ -233,8 +261,13 @@ def _scorer(env: Any, leaves: list[Any]) -> Callable[..., Any]:
                     raise RewardError(f"verifiers reward {name!r} returned {value}")
                 total += weight * value
                 metrics[name] = metrics.get(name, 0.0) + value
+        if not -1e-9 <= total <= 1 + 1e-9:
+            raise RewardError(f"the verifiers rubric's weighted sum {total:.4g} (Σ weight · value; weights "
+                              f"{_weights(leaves)}, values {metrics}) is outside [0, 1]; Flywheel rewards are in "
+                              "[0, 1] with 1.0 a pass: scale the weights to add to 1")
         return {"score": total, **dict(list(metrics.items())[:MAX_METRICS])}
 
+    verifiers_rubric.verifiers_weights = _weights(leaves)  # what `flywheel env check` shows of the rubric
     return verifiers_rubric
 
 

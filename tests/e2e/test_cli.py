@@ -84,7 +84,7 @@ def test_a_run_stopped_by_its_timeout_still_writes_its_report(tiny, tmp_path):
                   # the toy tasks may all retire within the 90 s (the scheduler would say so and the run end): this
                   # test is about the timeout
                   "--set", "scheduler.stall_after_s=3600", "--timeout", "90", cwd=tmp_path, check=False)
-    assert r.returncode != 0
+    assert r.returncode == 1 and "the job stopped: TimeoutError" in r.stdout and "Traceback" not in r.stderr, r.stderr[-2000:]
     rep = json.loads(report.read_text())
     assert rep["interrupted"].startswith("TimeoutError") and rep["steps"] >= 1, (rep.get("interrupted"), r.stdout[-2000:])
     assert [h["step"] for h in rep["history"]] == list(range(1, rep["steps"] + 1))

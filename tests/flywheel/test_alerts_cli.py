@@ -4,6 +4,8 @@ free port in a thread, and ``control --kafka`` against the session broker."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import threading
 import time
 
@@ -14,7 +16,6 @@ from typer.testing import CliRunner
 
 from flywheel.broker import free_port
 from flywheel.cli import app
-from flywheel.cli.common import console
 from flywheel.config import FlywheelConfig
 from scheduler_service.api import create_app
 from scheduler_service.registry import Registry
@@ -65,8 +66,23 @@ def cli(*args: str):
     return CliRunner().invoke(app, list(args))
 
 
-def test_an_opened_breaker_is_listed_active_then_resolved_when_closed(scheduler_url, monkeypatch):
-    monkeypatch.setattr(console, "_width", 200)  # CliRunner's output is no terminal: rich would use 80 columns
+def test_a_table_printed_to_no_terminal_keeps_whole_cells():
+    """Rich fits a table into 80 columns when stdout is no terminal and cuts every cell short; the CLI's tables
+    take up to NON_TERMINAL_WIDTH there, so a long domain name survives ``flywheel domains | grep``."""
+    from rich.table import Table
+
+    from flywheel.cli.common import print_table
+
+    table = Table("domain", "status", "weight", "share", "level", "pass", "train/eval", "retired", "flagged")
+    name = "reasoning_gym_basic_arithmetic_with_a_long_name"
+    table.add_row(name, "active", "1", "0.500", "easy (1/3)", "0.25", "128/64", "3", "0")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        print_table(table)
+    assert name in buf.getvalue() and "train/eval" in buf.getvalue(), buf.getvalue()
+
+
+def test_an_opened_breaker_is_listed_active_then_resolved_when_closed(scheduler_url):
     r = cli("control", "open_breaker", "--domain", "toy", "--reason", "inspecting", "--url", scheduler_url)
     assert r.exit_code == 0, r.output
     assert orjson.loads(r.output) == {"command": "open_breaker", "domain": "toy", "applied": True}

@@ -179,7 +179,8 @@ TOKEN = "sandbox-test-token-0123456789abcdef"
 
 def test_execute_needs_the_token_when_the_app_has_one():
     """Any local process could run code in the sandbox. With a token (what
-    ``sandbox_service.main`` always passes), ``POST /v1/execute`` answers 401 without it; reads stay open."""
+    ``sandbox_service.main`` always passes), ``POST /v1/execute`` (and every other ``/v1/`` route) answers 401
+    without it; /healthz and /metrics stay open."""
     from shared.auth import SCHEME_NAME, auth_headers
 
     app = create_app(SandboxConfig(max_concurrency=1), auth_token=TOKEN)
@@ -193,7 +194,8 @@ def test_execute_needs_the_token_when_the_app_has_one():
         doc = c.get("/openapi.json").json()
         for path, ops in doc["paths"].items():
             for method, op in ops.items():
-                assert (op.get("security") == [{SCHEME_NAME: []}]) == (method == "post"), (method, path)
+                # every /v1/ route (executions, workspaces, sessions) needs it; /healthz and /metrics stay open
+                assert (op.get("security") == [{SCHEME_NAME: []}]) == path.startswith("/v1/"), (method, path)
         assert {"400", "401", "413", "422", "503"} <= set(doc["paths"]["/v1/execute"]["post"]["responses"])
 
 

@@ -235,3 +235,40 @@ def test_the_llama3_json_parser_reads_bare_calls_and_flags_bad_ones():
     assert parse_llama3_json_calls('{"foo": 1}')[0].error == "no string 'name'"
     with pytest.raises(ValueError, match="unknown tool_parser 'xml'"):
         Environment(dataset=[], rubric=lambda completion: 1.0, tool_parser="xml")
+
+
+def test_a_dataset_list_without_its_prompt_column_is_refused_when_the_environment_loads(tmp_path):
+    """Its first row is checked when the environment is built (a path is not opened: it is read at the run)."""
+    path = _write_env(tmp_path, """
+        from flywheel.env import Environment
+        def no_prompt():
+            return Environment(dataset=[{"problem": "1+1", "answer": 2}], rubric=lambda completion: 1.0)
+        def bad_eval():
+            return Environment(dataset=[{"question": "1+1"}], eval_dataset=[{"text": "2+2"}],
+                               rubric=lambda completion: 1.0)
+        def mapped():
+            return Environment(dataset=[{"problem": "1+1"}], columns={"question": "problem"},
+                               rubric=lambda completion: 1.0)
+        def from_file():
+            return Environment(dataset="no/such/rows.jsonl", rubric=lambda completion: 1.0)
+    """)
+    with pytest.raises(EnvironmentLoadError, match=re.escape(
+            f"environment path '{path}:no_prompt': dataset row 0 has no 'prompt' or 'question' column; "
+            "columns: ['answer', 'problem']")):
+        load_environment({"path": f"{path}:no_prompt"})
+    with pytest.raises(EnvironmentLoadError, match=re.escape("eval_dataset row 0 has no 'prompt' or 'question' "
+                                                             "column; columns: ['text']")):
+        load_environment({"path": f"{path}:bad_eval"})
+    assert load_environment({"path": f"{path}:mapped"}).columns == {"question": "problem"}
+    assert load_environment({"path": f"{path}:from_file"}).dataset == "no/such/rows.jsonl"  # not opened here
+
+
+@pytest.mark.parametrize("rows, eval_size, says", [
+    (20, 30, "tasks.eval_size 30 asked for more held-out rows than the dataset's 20 rows"),
+    (20, 20, "tasks.eval_size 20 holds out 20 rows"),
+])
+def test_no_training_row_left_names_the_eval_size_asked_and_the_rows_there(tmp_path, rows, eval_size, says):
+    path = _write_env(tmp_path, GOOD)
+    with pytest.raises(ValueError, match=re.escape(f"environment 'my_env': no training rows left: {says}")):
+        make_tasks(TaskSourceConfig(kind="environment", environment={"path": str(path), "args": {"k": rows // 10}},
+                                    train_size=100, eval_size=eval_size, samples_per_task=4))

@@ -268,6 +268,35 @@ def test_a_reward_that_raises_or_leaves_0_to_1_is_a_reward_error_not_a_silent_sc
         env.rubric.score(**{**_context(task, "<answer>1</answer>"), "info": {}})
 
 
+def test_weights_adding_to_more_than_1_are_a_warning_at_load_and_the_error_names_the_weighted_sum(tmp_path, caplog):
+    """verifiers' score is the weighted sum of its functions: weights adding to 2 are said when the environment
+    loads, and a rollout scoring 2 is refused in those words (the sum, the weights, the values), not as a mean."""
+    path = _write(tmp_path, "vf_math_weights", MATH.replace("weights=[0.75, 0.25, 0.0]", "weights=[1.0, 1.0, 0.0]"))
+    with caplog.at_level("WARNING", logger="shared.envs.verifiers_adapter"):
+        env = load_environment({"path": str(path)})
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "shared.envs.verifiers_adapter"]
+    assert "'correct_answer': 1.0, 'brevity': 1.0" in warning and "add to 2," in warning, warning
+    task = next(Task(**t) for t in make_tasks(TaskSourceConfig(
+        kind="environment", environment={"path": str(path)}, train_size=100, eval_size=0, samples_per_task=4)))
+    with pytest.raises(RewardError, match=r"verifiers rubric's weighted sum 2 \(Σ weight · value; weights "
+                                          r"\{'correct_answer': 1.0, 'brevity': 1.0") as e:
+        env.rubric.score(**_context(task, f"<answer>{task.verifier.answer}</answer>"))
+    assert "mean" not in str(e.value)
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+
+    r = CliRunner().invoke(app, ["env", "check", "--path", str(path), "--score", "<answer>1</answer>"])  # row 0's
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert ("verifiers rubric: weighted sum of correct_answer (weight 1), brevity (weight 1)" in r.output
+            and "weights add to 2" in r.output), r.output
+    assert "the verifiers rubric's weighted sum 2 " in r.output.strip().splitlines()[-1], r.output
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="shared.envs.verifiers_adapter"):
+        load_environment({"path": str(_write(tmp_path, "vf_math_ok", MATH))})  # 0.75 + 0.25 + 0: no warning
+    assert not [r for r in caplog.records if r.name == "shared.envs.verifiers_adapter"]
+
+
 def test_loading_keeps_the_process_signal_handlers_and_works_off_the_main_thread(tmp_path):
     """verifiers' environments install SIGINT/SIGTERM handlers when built (and cannot be built off the main
     thread for it); the scheduler loads environments in a worker thread and the services own their signals."""
