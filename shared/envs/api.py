@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from shared.envs.sandbox import Workspace, pack_workspace
+from shared.envs.workspace import Workspace, pack_workspace
 from shared.envs.tools import tool_schema
 from shared.tools import PARSERS
 

@@ -24,75 +24,19 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import functools
-import hashlib
-import io
 import os
-import tarfile
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from shared.auth import token_from_run_dir
 from shared.client import SANDBOX_RETRY_S, ApiStatusError, AsyncApiClient, RetryPolicy, Token
+from shared.envs.workspace import SandboxError, Workspace, pack_workspace
 
 SESSION_TTL_S = 600.0
 """Default deadline of a rollout's session (seconds from its creation); the sandbox ends it then in any case."""
 
 REFUSED = (400, 409, 413, 422)
 """Statuses that refuse a request as given (the caller's fault, a ``ValueError``), not a failure of the sandbox."""
-
-
-class SandboxError(Exception):
-    """The sandbox failed (unreachable, HTTP 5xx, ``infra_error``, the session ended or was never made): an
-    infrastructure failure, so the rollout becomes an ``error`` sample (never a 0 reward)."""
-
-
-@dataclass(frozen=True)
-class Workspace:
-    """A directory packed once: ``archive`` (an uncompressed tar of its regular files and directories, sorted,
-    with owner and times zeroed, so equal trees give equal bytes) and ``digest`` (its sha256, hex)."""
-
-    path: str
-    archive: bytes
-    digest: str
-    files: int
-
-
-@functools.lru_cache(maxsize=32)
-def pack_workspace(path: str) -> Workspace:
-    """The workspace of directory ``path``, packed once per process (edit it and restart the service to change it).
-
-    Raises:
-        ValueError: ``path`` is not a directory, or holds something other than regular files and directories
-            (a symlink, a device: the sandbox refuses them; the message names it).
-    """
-    root = Path(path)
-    if not root.is_dir():
-        raise ValueError(f"workspace {path!r} is not a directory")
-    buf, files = io.BytesIO(), 0
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames.sort()
-            for name in [*dirnames, *sorted(filenames)]:
-                full = Path(dirpath) / name
-                rel = full.relative_to(root).as_posix()
-                if full.is_symlink() or not (full.is_file() or full.is_dir()):
-                    raise ValueError(f"workspace {path!r}: {rel!r} is not a regular file or directory")
-                info = tar.gettarinfo(str(full), arcname=rel)
-                info.uid = info.gid = 0
-                info.uname = info.gname = ""
-                info.mtime = 0
-                if info.isfile():
-                    files += 1
-                    with open(full, "rb") as f:
-                        tar.addfile(info, f)
-                else:
-                    tar.addfile(info)
-    data = buf.getvalue()
-    return Workspace(str(root), data, hashlib.sha256(data).hexdigest(), files)
 
 
 class Sandbox:
@@ -131,6 +75,8 @@ class Sandbox:
         Raises:
             ValueError: ``workspace`` as :func:`pack_workspace`.
         """
+        from shared.auth import token_from_run_dir  # here: it loads FastAPI, which a rollout's sandbox never needs
+
         http = AsyncApiClient(url, token if token is not None else (lambda: token_from_run_dir(None)), timeout=30.0,
                               retry=RetryPolicy(deadline_s=60.0, retry_for_s=SANDBOX_RETRY_S, max_backoff_s=2.0))
         box = cls(http, None if workspace is None else pack_workspace(os.path.abspath(workspace)), **kwargs)

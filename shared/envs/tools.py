@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import orjson
 
-from shared.envs.sandbox import SandboxError
+from shared.envs.workspace import SandboxError
 
 INJECTED = ("state", "task", "sandbox")
 """Tool parameters Flywheel fills (never in the schema, never taken from the model's arguments)."""
