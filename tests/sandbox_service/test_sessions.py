@@ -5,6 +5,7 @@ process killed with SIGKILL)."""
 from __future__ import annotations
 
 import concurrent.futures
+import gzip
 import hashlib
 import io
 import json
@@ -32,7 +33,10 @@ LIST = "import os, json\nprint(json.dumps(sorted(os.path.relpath(os.path.join(d,
 
 def tar_bytes(files: dict[str, bytes], gz: bool = True, extra=None) -> bytes:
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz" if gz else "w") as t:
+    # gzip's header carries a timestamp: mtime 0 keeps the bytes (and the test ids, digests) the same in every
+    # process, which pytest-xdist's workers need to collect the same tests.
+    out = gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) if gz else buf
+    with tarfile.open(fileobj=out, mode="w") as t:
         for name, content in files.items():
             info = tarfile.TarInfo(name)
             info.size = len(content)
@@ -40,6 +44,8 @@ def tar_bytes(files: dict[str, bytes], gz: bool = True, extra=None) -> bytes:
             t.addfile(info, io.BytesIO(content))
         for info in extra or ():
             t.addfile(info)
+    if gz:
+        out.close()
     return buf.getvalue()
 
 
@@ -217,7 +223,7 @@ def _member(name: str, kind: bytes, **kw) -> tarfile.TarInfo:
     (tar_bytes({"big": b"\0" * (2 * 2**20)}), "more than"),
     (b"not a tar archive at all", "not a tar archive"),
     (tar_bytes({"/".join(["d"] * 300) + "/f": b"x"}), "nested deeper"),
-])
+], ids=["dotdot", "absolute", "symlink", "hardlink", "device", "too-big", "not-tar", "too-deep"])
 def test_bad_workspaces_are_422_naming_the_member(client, body, words):
     r = client.put(f"/v1/workspaces/{hashlib.sha256(body).hexdigest()}", content=body)
     assert r.status_code == 422, r.text
