@@ -11,15 +11,16 @@ config and in the service's own settings alike). The CLI and the launcher load i
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import model_validator
 from pydantic_settings import SettingsConfigDict
 
 from flywheel.tasks import TaskSourceConfig
 from rollout_service.config import RolloutSettings
 from sandbox_service.config import SandboxSettings
 from scheduler_service.config import SchedulerSettings
-from trainer_service.config import TrainerSettings
+from trainer_service.config import SftConfig, TrainerSettings
 from verifier_service.config import VerifierSettings
 
 
@@ -32,6 +33,23 @@ class FlywheelConfig(SchedulerSettings, RolloutSettings, VerifierSettings, Train
 
     tasks: TaskSourceConfig = TaskSourceConfig()
     """What ``flywheel run`` submits (read by the CLI only)."""
+    stages: list[Literal["sft", "rl"]] = ["rl"]
+    """What ``flywheel run`` does, in order: ``sft`` fine-tunes ``model.name`` on the ``sft`` section's
+    transcripts (``flywheel sft``), ``rl`` is the RL run; ``[sft, rl]`` starts the RL run from the SFT model
+    (``model.name`` set to ``sft.output``, which is also its KL reference)."""
+    sft: SftConfig | None = None
+    """The supervised fine-tuning stage (:class:`trainer_service.config.SftConfig`); needed by ``flywheel sft``
+    and by ``stages`` with ``sft``."""
+
+    @model_validator(mode="after")
+    def _stages(self) -> "FlywheelConfig":
+        """Raises ValueError for an empty or repeated ``stages``, ``rl`` before ``sft``, or ``sft`` without an
+        ``sft`` section."""
+        if self.stages not in (["rl"], ["sft"], ["sft", "rl"]):
+            raise ValueError(f"stages: {self.stages} is not one of [rl], [sft], [sft, rl]")
+        if "sft" in self.stages and self.sft is None:
+            raise ValueError("stages: sft needs an sft: section (at least sft.data)")
+        return self
 
 
 def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> FlywheelConfig:

@@ -169,10 +169,11 @@ async def _turns(gate: EngineGate, tokenizer, env: Environment, task: Task, prom
         live = [ro for ro, more in zip(live, steps) if more]
         if not live:
             break
-        # every turn asks with the group's own sampling, so the gate can decode the turns of many rollouts (and
-        # groups) as one batch; a sample past its rollout's remaining budget is cut there afterwards, which is
-        # what a smaller max_new_tokens would have sampled (decoding is left to right)
-        reqs = [GenerationRequest(prompt_ids + ro.rollout.ids, 1, sampling) for ro in live]
+        # every turn asks for what its rollout's budget has left; the engine decodes requests of different limits
+        # (and the turns of many rollouts and groups, through the gate) as one batch. ``within`` stays as a guard
+        # for engines that generate past a request's limit.
+        reqs = [GenerationRequest(prompt_ids + ro.rollout.ids, 1, sampling.model_copy(
+            update={"max_new_tokens": min(sampling.max_new_tokens, max_tokens - len(ro.rollout.ids))})) for ro in live]
         for ro, (s,) in zip(live, await gate.generate(reqs)):
             ro.rollout.add_generated(within(s, max_tokens - len(ro.rollout.ids)), tokenizer)
     for ro in everyone:

@@ -204,13 +204,13 @@ class TorchEngine(Engine):
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
         out: list[list[Sample] | None] = [None] * len(requests)
         by_params: dict[tuple, list[int]] = defaultdict(list)
-        for i, r in enumerate(requests):
+        for i, r in enumerate(requests):  # one batch per distribution; each request keeps its own token limit
             s = r.sampling
-            by_params[(s.temperature, s.top_p, s.max_new_tokens)].append(i)
+            by_params[(s.temperature, s.top_p)].append(i)
         with self._lock, torch.no_grad():
             try:
-                for (temp, top_p, max_new), idx in by_params.items():
-                    results = self._generate_batch([requests[i] for i in idx], temp, top_p, max_new)
+                for (temp, top_p), idx in by_params.items():
+                    results = self._generate_batch([requests[i] for i in idx], temp, top_p)
                     for i, res in zip(idx, results):
                         out[i] = res
             finally:
@@ -234,8 +234,10 @@ class TorchEngine(Engine):
         lengths = torch.tensor([len(s) for s in seqs])
         return out.past_key_values, out.logits[:, -1].float(), attn, lengths
 
-    def _generate_batch(self, reqs: list[GenerationRequest], temperature: float, top_p: float,
-                        max_new_tokens: int) -> list[list[Sample]]:
+    def _generate_batch(self, reqs: list[GenerationRequest], temperature: float, top_p: float) -> list[list[Sample]]:
+        """Samples of ``reqs`` (one sampling distribution) decoded as one batch; a row leaves the batch at EOS or at
+        its request's ``max_new_tokens`` (finish ``length``), so requests of different limits share the decode
+        steps (the turns of multi-turn rollouts, each asking for what its rollout's budget has left)."""
         self.batches += 1
         seed = next((r.sampling.seed for r in reqs if r.sampling.seed is not None), None)
         gen = torch.Generator().manual_seed(seed if seed is not None else self.seed * 1_000_003 + self.batches)
@@ -246,6 +248,8 @@ class TorchEngine(Engine):
             uniq.setdefault(tuple(r.prompt_ids), len(uniq))
         prompts = [list(p) for p in uniq]
         rows = [uniq[tuple(r.prompt_ids)] for r in reqs for _ in range(r.n)]
+        limits = [r.sampling.max_new_tokens for r in reqs for _ in range(r.n)]  # each row's max_new_tokens
+        max_new_tokens = max(limits)
         n_rows = len(rows)
         self._score_canary()
         cache, logits, attn, lengths = self._prefill(prompts)
@@ -281,6 +285,8 @@ class TorchEngine(Engine):
                 lps[row].append(float(tok_lp[j]))
                 if done[j]:
                     finish[row] = "stop"  # the EOS token is part of the completion and trains
+                elif len(tokens[row]) >= limits[row]:
+                    done[j] = True  # at its own limit: finish stays "length"
             keep = (~done).nonzero()[:, 0]
             if len(keep) == 0 or _step == max_new_tokens - 1:
                 break
@@ -303,17 +309,24 @@ class TorchEngine(Engine):
             out = self.runner(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
                              cache=cache, use_cache=True)
             cache, logits, next_pos = out.past_key_values, out.logits[:, -1].float(), next_pos + 1
-        samples = []
-        for row in range(n_rows):
-            vs = spans[row]
-            vs[-1] = vs[-1].model_copy(update={"end": len(tokens[row])})
-            vs = [s for s in vs if s.end > s.start] or [vs[-1]]
-            samples.append(Sample(tokens[row], lps[row], finish[row], vs))
-        grouped, k = [], 0
-        for r in reqs:
-            grouped.append(samples[k:k + r.n])
-            k += r.n
-        return grouped
+        return _grouped(reqs, tokens, lps, finish, spans)
+
+
+def _grouped(reqs: list[GenerationRequest], tokens: list[list[int]], lps: list[list[float]], finish: list[str],
+             spans: list[list[VersionSpan]]) -> list[list[Sample]]:
+    """The decoded rows as :class:`Sample` s (each version span closed at its row's end, empty spans dropped),
+    ``r.n`` per request in order."""
+    samples = []
+    for row in range(len(tokens)):
+        vs = spans[row]
+        vs[-1] = vs[-1].model_copy(update={"end": len(tokens[row])})
+        vs = [s for s in vs if s.end > s.start] or [vs[-1]]
+        samples.append(Sample(tokens[row], lps[row], finish[row], vs))
+    grouped, k = [], 0
+    for r in reqs:
+        grouped.append(samples[k:k + r.n])
+        k += r.n
+    return grouped
 
 
 def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

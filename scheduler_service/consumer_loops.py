@@ -8,8 +8,14 @@
 - ``control``: flywheel.control in ``<scheduler.consumer_group>-control``, from the latest offset, applied by
   the drift guard.
 
-Each runs until the sampler stops or a broker restart is handled (:meth:`ConsumerLoops._consume`); the
-sampler restarts it with a new consumer.
+Each runs until the sampler stops, the broker goes away, or a broker restart is handled
+(:meth:`ConsumerLoops._consume`); the sampler restarts it with a new consumer. The loops that commit
+(``rewards``, ``control``) commit through the sampler's :class:`shared.kafka.BrokerWatch` (``watch.guard``): with
+the broker gone a commit gives up at once with :class:`shared.kafka.BrokerLost` instead of waiting for a
+coordinator that is not there, and the loop starts over from the committed offsets once the broker is back (the
+batch it had recorded in SQLite is read again and counted once). The group-less ``watch`` loop keeps its
+position through an outage (read again from the start, flywheel.metrics would feed the drift monitor the
+trainer's old records twice) and starts over only when the broker lost its topics.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from aiokafka import AIOKafkaConsumer
 from scheduler_service.metrics_feed import count_reward
 from scheduler_service.reward_store import RewardOutcome
 from shared import topics
-from shared.kafka import commit_batch, decode_or_dead_letter, make_consumer
+from shared.kafka import commit_batch, decode_or_dead_letter, make_consumer, stop_clients
 from shared.schemas import GroupDropped, Metrics, RewardEvent, WeightUpdate
 
 log = logging.getLogger("scheduler_service.sampler")  # one logger for all of the sampler's loops
@@ -32,21 +38,31 @@ CONSUMER_START_TIMEOUT_S = 60.0
 GETMANY_SLACK_S = 5.0
 """How much longer than its own timeout one ``getmany`` may take before the loop gives up on it (a group-less
 consumer whose topics vanished with the broker waits in ``Fetcher.fetched_records`` for an assignment, unbounded)."""
-CONSUMER_STOP_TIMEOUT_S = 10.0
-"""Bound on stopping one (leave group, close connections), seconds."""
+CLIENT_STOP_TIMEOUT_S = 5.0
+"""Bound on stopping one of the scheduler's Kafka clients (leave the group, flush, close connections), seconds."""
+CLIENT_STOP_DOWN_TIMEOUT_S = 1.0
+"""The same bound while the broker watch sees the broker gone: nothing can be left or flushed then, and a
+producer would otherwise wait ``kafka.request_timeout_ms`` for batches that cannot be delivered."""
 
 
 class ConsumerLoops:
     """The consumer loops of :class:`scheduler_service.sampler.Sampler` (a mixin: needs its ``cfg``,
-    ``registry``, ``producer``, ``stats``, ``metrics``, ``guard``, ``name``, ``broker_restarts``, ``_stop``,
-    ``_sleep`` and ``wake``)."""
+    ``registry``, ``producer``, ``stats``, ``metrics``, ``guard``, ``watch``, ``name``, ``broker_restarts``,
+    ``_stop``, ``_sleep`` and ``wake``)."""
 
     async def _consume(self, consumer: AIOKafkaConsumer, handle, commit: bool, on_start=None) -> None:
         """Run ``consumer`` until stopped, or until a broker restart is handled (:attr:`broker_restarts` moves:
         the caller's :meth:`_restarting` then builds a new consumer, from the committed or earliest offsets).
         ``handle`` takes each polled batch as one list of records (in partition order); when it raises, the
-        batch is read again."""
-        epoch = self.broker_restarts
+        batch is read again. With ``commit``, each handled batch's offsets are committed through
+        ``watch.guard``, after ``handle`` (SQLite first, then the commit).
+
+        Raises:
+            shared.kafka.BrokerLost: with ``commit``, the broker went away since the consumer was made (checked
+                before each batch, and a commit under way is given up); the caller rebuilds it once the broker is
+                back.
+        """
+        epoch, watch_epoch = self.broker_restarts, self.watch.epoch
         try:
             await asyncio.wait_for(consumer.start(), CONSUMER_START_TIMEOUT_S)
         except BaseException:
@@ -57,6 +73,8 @@ class ConsumerLoops:
                 await on_start(consumer)
             wait_ms = int(min(self.cfg.scheduler.poll_interval_s, 0.2) * 1000) + 50
             while not self._stop.is_set() and epoch == self.broker_restarts:
+                if commit:  # a group consumer's position is the broker's: start over from it after an outage
+                    self.watch.check(watch_epoch)
                 try:  # bounded: after a broker restart aiokafka can wait for a partition assignment forever
                     batch = await asyncio.wait_for(consumer.getmany(timeout_ms=wait_ms, max_records=500),
                                                    wait_ms / 1000 + GETMANY_SLACK_S)
@@ -74,20 +92,18 @@ class ConsumerLoops:
                         consumer.seek(tp, msgs[0].offset)
                     await self._sleep(1.0)
                     continue
-                if commit:
-                    await commit_batch(consumer, batch)
+                if commit:  # only after handle: the records are in SQLite
+                    await self.watch.guard(commit_batch(consumer, batch), watch_epoch)
                 self.wake()
         finally:
             await self._close(consumer)
 
-    @staticmethod
-    async def _close(consumer: AIOKafkaConsumer) -> None:
-        """Stop ``consumer`` within :data:`CONSUMER_STOP_TIMEOUT_S` (a group consumer whose coordinator died can
-        otherwise wait on it much longer)."""
-        stopping = asyncio.ensure_future(consumer.stop())  # not wait_for: it would wait out a stop that ignores
-        done, _ = await asyncio.wait([stopping], timeout=CONSUMER_STOP_TIMEOUT_S)  # the cancellation
-        if not done:
-            log.warning("a consumer did not stop within %.0f s; left behind", CONSUMER_STOP_TIMEOUT_S)
+    async def _close(self, *clients) -> None:
+        """Stop ``clients`` (:func:`shared.kafka.stop_clients`: errors logged, never raised) within
+        :data:`CLIENT_STOP_TIMEOUT_S` each, or :data:`CLIENT_STOP_DOWN_TIMEOUT_S` while the broker is gone (a
+        group consumer whose coordinator died, or a producer holding undeliverable batches, would otherwise wait
+        on it much longer)."""
+        await stop_clients(*clients, timeout_s=CLIENT_STOP_TIMEOUT_S if self.watch.up else CLIENT_STOP_DOWN_TIMEOUT_S)
 
     async def _rewards_loop(self) -> None:
         consumer = make_consumer(self.cfg.kafka, topics.REWARDS, topics.GROUP_DROPS,
@@ -183,8 +199,14 @@ class ConsumerLoops:
 
     async def _control_positioned(self, consumer: AIOKafkaConsumer) -> None:
         """Wait for the control consumer's partitions and resolve its start offsets, then set
-        ``guard.control_ready`` (records sent after that are applied)."""
+        ``guard.control_ready`` (records sent after that are applied).
+
+        Raises:
+            shared.kafka.BrokerLost: the broker went away meanwhile.
+        """
+        epoch = self.watch.epoch
         while not consumer.assignment() and not self._stop.is_set():
+            self.watch.check(epoch)
             batch = await consumer.getmany(timeout_ms=100, max_records=1)  # joins the group
             for msgs in batch.values():
                 for msg in msgs:

@@ -32,7 +32,7 @@ from scheduler_service.monitor import DriftMonitor
 from scheduler_service.group_store import IssuedGroup
 from scheduler_service.registry import Registry
 from shared import topics
-from shared.kafka import decode_or_dead_letter, send
+from shared.kafka import BrokerWatch, decode_or_dead_letter, send
 from shared.schemas import Alert, Control, Metrics, RewardEvent
 
 log = logging.getLogger(__name__)
@@ -55,13 +55,17 @@ class DriftGuard:
         producer: a started producer, or ``None`` (REST-only use: nothing is published).
         blocked: the planner's set of domains whose training groups are not issued (updated in place).
         metrics: the process's Prometheus families (alerts, dead letters); ``None``: a private set.
+        watch: the process's broker watch: a publish gives up at once while the broker is gone
+            (:meth:`shared.kafka.BrokerWatch.guard`); ``None``: acks are awaited bare.
     """
 
     def __init__(self, config: SchedulerSettings, registry: Registry, producer: AIOKafkaProducer | None,
-                 blocked: set[str] | None = None, metrics: SchedulerMetrics | None = None) -> None:
+                 blocked: set[str] | None = None, metrics: SchedulerMetrics | None = None,
+                 watch: BrokerWatch | None = None) -> None:
         self.cfg = config
         self.registry = registry
         self.producer = producer
+        self.watch = watch
         self.metrics = metrics if metrics is not None else SchedulerMetrics()
         self.blocked = blocked if blocked is not None else set()
         self.monitor = DriftMonitor(config.monitor, self._domain_overrides)
@@ -178,13 +182,18 @@ class DriftGuard:
                        drop_groups=self.monitor.breaker(domain).last_probe)
 
     async def _publish(self, records: list[tuple[str, Any, str]]) -> None:
-        """Send and wait for the acks; a failure is logged (the registry holds the state; a breaker's
-        ``domain_state`` is announced again with its next change)."""
+        """Send and wait for the acks (through :attr:`watch`: with the broker gone it fails at once); a failure
+        is logged (the registry holds the state; a breaker's ``domain_state`` is announced again with its next
+        change)."""
         if self.producer is None or not records:
             return
-        try:
+
+        async def acked() -> None:
             futs = [await send(self.producer, t, r, key=k) for t, r, k in records]
             await asyncio.gather(*futs)
+
+        try:
+            await (acked() if self.watch is None else self.watch.guard(acked(), self.watch.epoch))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the broker's trouble must not stop scoring

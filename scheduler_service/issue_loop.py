@@ -6,7 +6,9 @@ automatic eval rounds, send pending eval groups, then issue new training groups 
 
 A send that fails (:meth:`IssueLoop._send`) never leaves its rows ``issued`` until the deadline: a request that
 can never be produced (:data:`PERMANENT_SEND_ERRORS`, e.g. larger than the producer's limit) abandons its
-group with the reason; any other failure puts the group back to ``pending`` to be retried with backoff.
+group with the reason; any other failure puts the group back to ``pending`` to be retried with backoff. Sends
+and acks are awaited through the sampler's broker watch: with the broker gone they fail at once
+(:class:`shared.kafka.BrokerLost`) rather than after ``kafka.request_timeout_ms``.
 
 Tasks are chosen fewest-groups-first with a seeded RNG breaking ties (epochs over the
 dataset), optionally with the learnability curriculum (``scheduler.curriculum``), oversampling
@@ -18,6 +20,7 @@ by the issue loop like a pending eval group).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -33,7 +36,7 @@ from opentelemetry import trace
 from scheduler_service.group_store import IssuedGroup
 from scheduler_service.metrics_feed import count_issued
 from shared import topics
-from shared.kafka import ensure_topics, send
+from shared.kafka import BrokerLost, ensure_topics, send
 from shared.schemas import RolloutRequest, SamplingParams, Task
 
 log = logging.getLogger("scheduler_service.sampler")  # one logger for all of the sampler's loops
@@ -72,8 +75,8 @@ class SplicedRequest:
 
 class IssueLoop:
     """The issue loop of :class:`scheduler_service.sampler.Sampler` (a mixin: needs its ``cfg``, ``registry``,
-    ``producer``, ``metrics``, ``rng``, ``planner``, ``maker``, ``guard``, ``stall``, ``reports``, ``_stop``,
-    ``_making``, ``_starved_at``, ``_topics``, ``_sleep`` and ``_nap``)."""
+    ``producer``, ``metrics``, ``rng``, ``planner``, ``maker``, ``guard``, ``stall``, ``reports``, ``watch``,
+    ``_stop``, ``_making``, ``_starved_at``, ``_topics``, ``_sleep`` and ``_nap``)."""
 
     async def _issue_loop(self) -> None:
         while not self._stop.is_set():
@@ -154,10 +157,14 @@ class IssueLoop:
         self._making = asyncio.create_task(make(), name="scheduler-task-maker")
 
     async def _publish_tasks(self, tasks: list[Task]) -> None:
-        """Publish newly made tasks on flywheel.tasks (best-effort: the registry holds them)."""
-        try:
+        """Publish newly made tasks on flywheel.tasks (best-effort: the registry holds them; with the broker gone
+        they are not sent)."""
+        async def acked() -> None:
             futs = [await send(self.producer, topics.TASKS, t, key=t.task_id) for t in tasks]
             await asyncio.gather(*futs)
+
+        try:
+            await self.watch.guard(acked(), self.watch.epoch)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -269,12 +276,13 @@ class IssueLoop:
 
         A group whose send fails is never left ``issued`` until its deadline: on one of
         :data:`PERMANENT_SEND_ERRORS` it is abandoned with the reason (``Registry.abandon_groups``), on any
-        other error (broker down, timeout) it goes back to ``pending`` and a later pass re-sends it after a
-        backoff (``Registry.release_groups``, :data:`SEND_RETRY_BACKOFF_S`).
+        other error (broker down, timeout; with the broker seen gone :class:`shared.kafka.BrokerLost`, at once) it
+        goes back to ``pending`` and a later pass re-sends it after a backoff (``Registry.release_groups``,
+        :data:`SEND_RETRY_BACKOFF_S`).
         """
         if not groups:
             return []
-        producer = self.producer
+        producer, epoch = self.producer, self.watch.epoch
         tracer = trace.get_tracer("scheduler")
         failed: dict[str, BaseException] = {}
         new = {topics.rollout_requests(g.pool) for g in groups} - self._topics
@@ -297,23 +305,50 @@ class IssueLoop:
                 attrs["eval_round"] = g.eval_round
             with tracer.start_as_current_span("issue_group", context=otel_context.Context(), attributes=attrs):
                 try:
-                    futs.append((g, await send(producer, topics.rollout_requests(g.pool), self._request(g),
-                                               key=g.group_id)))
+                    futs.append((g, await self.watch.guard(
+                        send(producer, topics.rollout_requests(g.pool), self._request(g), key=g.group_id), epoch)))
                 except asyncio.CancelledError:
                     raise
-                except Exception as e:  # refused before queueing: too large, no metadata, producer closed
+                except Exception as e:  # refused before queueing: too large, no metadata, producer closed, no broker
                     failed[g.group_id] = e
-        results = await asyncio.gather(*(f for _, f in futs), return_exceptions=True)
+        late: set[str] = set()
+        try:  # shielded: the guard gives up waiting, but a queued record is still delivered and its future settles
+            results = await self.watch.guard(asyncio.gather(*(asyncio.shield(f) for _, f in futs),
+                                                            return_exceptions=True), epoch)
+        except BrokerLost:  # the acks that came count; a record still queued is settled by its own future
+            results = []
+            for g, f in futs:
+                if f.done():
+                    results.append(f.exception() or f.result() if not f.cancelled() else asyncio.CancelledError())
+                else:
+                    late.add(g.group_id)
+                    f.add_done_callback(functools.partial(self._late_ack, g))
+                    results.append(None)
         for (g, _), r in zip(futs, results):
             if isinstance(r, BaseException):
                 failed[g.group_id] = r
-        sent = [g for g in groups if g.group_id not in failed]
+        sent = [g for g in groups if g.group_id not in failed and g.group_id not in late]
         count_issued(self.metrics, sent)
         for g in sent:
             log.info("issued group %s (%s, attempt %d, n=%d)", g.group_id, g.purpose, g.attempt, g.n)
         if failed:
             self._send_failed(failed)
         return sent
+
+    def _late_ack(self, g: IssuedGroup, fut: asyncio.Future) -> None:
+        """The outcome of a request still queued when the broker was seen gone: delivered, the group stays
+        ``issued``; failed, it is released for a retry like any failed send (so a request the broker accepted is
+        never sent twice)."""
+        e = asyncio.CancelledError() if fut.cancelled() else fut.exception()
+        if e is None:
+            count_issued(self.metrics, [g])
+            log.info("issued group %s (%s, attempt %d, n=%d; acknowledged after the broker was seen gone)",
+                     g.group_id, g.purpose, g.attempt, g.n)
+        else:
+            try:
+                self._send_failed({g.group_id: e})
+            except Exception:  # noqa: BLE001 - a callback: the registry may be closed at shutdown (the deadline re-issues)
+                log.warning("group %s: its late send failure could not be recorded", g.group_id, exc_info=True)
 
     def _send_failed(self, failed: dict[str, BaseException]) -> None:
         """Abandon the groups whose request can never be produced; release the others for a retry."""

@@ -24,7 +24,7 @@ from typing import Any
 from scheduler_service.registry import Registry
 from scheduler_service.stats import Stats
 from shared import topics
-from shared.kafka import send
+from shared.kafka import BrokerWatch, send
 from shared.schemas import Metrics
 
 log = logging.getLogger(__name__)
@@ -139,10 +139,15 @@ class Reporter:
         interval_s: seconds between two gauge records.
         breakers: returns ``{domain: breaker state}`` now.
         active_alerts: returns the number of alerts firing now.
+        watch: the process's broker watch: a send gives up at once while the broker is gone
+            (:meth:`shared.kafka.BrokerWatch.guard`; the record goes out on a later pass); ``None``: acks are
+            awaited bare.
     """
 
-    def __init__(self, registry: Registry, stats: Stats, producer, interval_s: float, breakers, active_alerts) -> None:
+    def __init__(self, registry: Registry, stats: Stats, producer, interval_s: float, breakers, active_alerts,
+                 watch: BrokerWatch | None = None) -> None:
         self.registry, self.stats, self.producer, self.interval_s = registry, stats, producer, interval_s
+        self.watch = watch
         self.breakers, self.active_alerts = breakers, active_alerts
         self._next_gauges = time.monotonic()  # the first record goes out on the first pass
         self._next_eval_look = 0.0
@@ -159,11 +164,23 @@ class Reporter:
                 self._next_gauges = now + self.interval_s
                 values = gauge_values(self.registry, self.stats, self.breakers(), self.active_alerts())
                 rec = Metrics(source=SOURCE, policy_version=self.registry.policy_version, values=values)
-                await (await send(self.producer, topics.METRICS, rec, SOURCE))
+                await self._send([rec])
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - reporting must never stop the issue loop
             log.warning("publishing scheduler metrics failed (retrying on a later pass): %r", e)
+
+    async def _send(self, recs: list[Metrics]) -> None:
+        """Send ``recs`` on flywheel.metrics and wait for the acks, through :attr:`watch`.
+
+        Raises:
+            shared.kafka.BrokerLost: the broker is gone, or went away before every ack came.
+            aiokafka.errors.KafkaError: a send failed.
+        """
+        async def acked() -> None:
+            await asyncio.gather(*[await send(self.producer, topics.METRICS, r, SOURCE) for r in recs])
+
+        await (acked() if self.watch is None else self.watch.guard(acked(), self.watch.epoch))
 
     async def publish_finished_evals(self) -> list[int]:
         """Publish the records of each eval round finished after the last one published, in round order,
@@ -171,6 +188,7 @@ class Reporter:
 
         Raises:
             aiokafka.errors.KafkaError: a send failed (the round is published again on the next call).
+            shared.kafka.BrokerLost: the broker is gone (likewise).
         """
         done: list[int] = []
         last = int(self.registry.kv_get(EVAL_PUBLISHED_KEY, -1))
@@ -179,7 +197,7 @@ class Reporter:
             if summary is None or not summary["done"]:
                 return done
             recs = eval_records(summary, self.registry.eval_accuracy_by_domain(last + 1))
-            await asyncio.gather(*[await send(self.producer, topics.METRICS, r, SOURCE) for r in recs])
+            await self._send(recs)
             last += 1
             self.registry.kv_set(EVAL_PUBLISHED_KEY, last)
             done.append(last)

@@ -170,6 +170,12 @@ def config_page() -> str:
              "environment variable `FLYWHEEL_<SECTION>__<FIELD>` (nested fields joined by `__`); unknown fields "
              "are refused by name. Each service reads only its own sections.", ""]
     seen: dict[type, str] = {}
+    top = [(name, field) for name, field in FlywheelConfig.model_fields.items() if not _models_in(field.annotation)]
+    if top:  # fields of the root itself (``stages``), not sections
+        docs = _attribute_docstrings(FlywheelConfig)
+        lines += ["## Top-level fields", "", "| field | type | default | description |", "|---|---|---|---|"]
+        lines += [f"| `{n}` | `{_type_name(f.annotation)}` | {_default(f)} | {_cell(docs.get(n))} |" for n, f in top]
+        lines.append("")
     for name, field in FlywheelConfig.model_fields.items():
         for suffix, model in _models_in(field.annotation):
             lines += _model_section(model, name + suffix, seen)

@@ -192,6 +192,45 @@ class TrainerConfig(BaseModel):
         return moved_keys("trainer", data, MOVED)
 
 
+class SftConfig(BaseModel):
+    """``sft``: the supervised fine-tuning stage (``flywheel sft``, or ``stages: [sft, rl]``): train the model of
+    ``model.name`` on chat transcripts, loss on the assistant tokens only, and write a Hugging Face folder that the
+    RL stage loads as its base model (``trainer_service/sft.py``, ``docs/guides/sft.md``). The weights' dtype,
+    the attention kernel, ``autocast_bf16``, ``max_grad_norm``, AdamW's betas and weight decay and
+    ``torch_threads`` are the ``trainer`` section's."""
+
+    model_config = ConfigDict(extra="forbid")
+    data: str
+    """Training rows: a JSONL or Parquet file, or a folder written by ``datasets``' ``save_to_disk``. Each row
+    has ``messages`` (a list of ``{role, content}``, at least one ``assistant``) and optionally ``tools`` (a list
+    of tool schemas, or its JSON), passed to the chat template as ``tools=``."""
+    eval_data: str | None = None
+    """Held-out rows in the same format; None: hold out ``eval_fraction`` of ``data``."""
+    eval_fraction: float = Field(0.05, ge=0.0, le=0.5)
+    """Share of ``data`` held out for the eval loss when ``eval_data`` is not given (a split seeded by ``seed``;
+    at least one row when the share is above 0 and ``data`` has two rows or more)."""
+    epochs: int = Field(1, ge=1, le=1000)
+    """Passes over the training rows."""
+    lr: float = Field(1e-5, gt=0, le=1.0)
+    """AdamW learning rate (constant)."""
+    batch_size: int = Field(8, ge=1, le=4096)
+    """Rows per optimizer step."""
+    micro_batch_size: int = Field(4, ge=1, le=4096)
+    """Rows per forward/backward pass (gradients accumulate over a step's passes; the loss is the same as one
+    pass of ``batch_size`` rows): lower it when a step does not fit in memory."""
+    max_length: int = Field(1024, ge=8, le=1 << 20)
+    """Tokens per row; a longer row is cut at the end (counted in the log and the report) and a row left with
+    no assistant token is dropped."""
+    seed: int = 0
+    """Seed of the eval split, the batch order and torch."""
+    output: str | None = None
+    """Where the fine-tuned model is written (a Hugging Face folder); None:
+    ``<run.dir>/<config name>-sft-<date-time>/model``. ``sft_report.json`` goes beside it. Must not hold a model
+    already."""
+    log_every: int = Field(10, ge=1, le=1_000_000)
+    """Print a progress line every this many optimizer steps (and one per epoch)."""
+
+
 class TrainerSettings(Settings):
     """What the trainer process reads: its section, the shared ``weights`` and ``budget``, and ``kafka``,
     ``model``, ``run``."""

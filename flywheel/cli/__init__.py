@@ -15,12 +15,15 @@
     flywheel analytics [--follow]               # the topics into <run dir>/analytics.duckdb (incremental)
     flywheel analytics query "SELECT ..." [--json]   # SQL on it (or a documented question by name)
     flywheel env check --path envs/my_env.py [--args '{"n": 50}'] [--rows N] [--score TEXT]   # an environment, no run
+    flywheel export runs/arithmetic-20261208-011600 out/ [--version N] [--force]   # a version as a HF folder
+    flywheel sft cfg.yaml                       # supervised fine-tuning on chat transcripts (its `sft:` section)
 
 The typer ``app`` is assembled here from the command groups: :mod:`~flywheel.cli.train` (``run``, ``job``),
 :mod:`~flywheel.cli.system` (``up``, ``down``, ``status``, ``prepare``), :mod:`~flywheel.cli.operate`
 (``submit``, ``domains``, ``alerts``, ``control``), :mod:`~flywheel.cli.tools` (``tasks``, ``budget``,
-``judge-calibrate``), :mod:`~flywheel.cli.analytics`, :mod:`~flywheel.cli.env` (``env check``) and ``clean``
-(:mod:`flywheel.clean`); what they share is in :mod:`~flywheel.cli.common` and :mod:`~flywheel.cli.client`.
+``judge-calibrate``), :mod:`~flywheel.cli.analytics`, :mod:`~flywheel.cli.env` (``env check``),
+:mod:`~flywheel.cli.export` (``export``), :mod:`~flywheel.cli.sft` (``sft``) and ``clean`` (:mod:`flywheel.clean`);
+what they share is in :mod:`~flywheel.cli.common` and :mod:`~flywheel.cli.client`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ import typer
 from flywheel.clean import clean_cmd
 from flywheel.cli.analytics import analytics_app
 from flywheel.cli.env import env_app
+from flywheel.cli.export import export_cmd
 from flywheel.cli.operate import alerts_cmd, control_cmd, domains_cmd, submit_cmd
+from flywheel.cli.sft import sft
 from flywheel.cli.system import down, prepare, status, up
 from flywheel.cli.tools import budget_cmd, judge_calibrate, tasks_cmd
 from flywheel.cli.train import job, run
@@ -50,5 +55,7 @@ app.command("clean")(clean_cmd)  # flywheel/clean.py: free finished runs' checkp
 app.command("tasks")(tasks_cmd)
 app.command("budget")(budget_cmd)
 app.command("judge-calibrate")(judge_calibrate)
+app.command("export")(export_cmd)  # flywheel/export.py: a version as a Hugging Face folder
+app.command()(sft)  # trainer_service/sft.py: supervised fine-tuning before RL
 app.add_typer(analytics_app, name="analytics")
 app.add_typer(env_app, name="env")

@@ -16,6 +16,7 @@ import typer
 
 from flywheel.cli.client import SchedulerApi, _call, _token_for, submit_tasks
 from flywheel.cli.common import ConfigArg, RetryOpt, RunDirOpt, SetOpt, SystemDirOpt, _load, _pointer, _read_jsonl, _state, console
+from flywheel.run_config import save_run_config
 from flywheel.launcher import LocalSystem
 from shared.config import ModelConfig
 from shared.model import SMOLLM2, resolve_model_dir
@@ -30,6 +31,10 @@ def _start(config: Path, sets: list[str] | None, run_dir: Path | None, fresh: bo
         resolve_model_dir(cfg.model.name, cfg.model.cache_dir)
     with console.status("starting the broker and five services"):
         system = LocalSystem.start(config, run_dir, env)
+    try:  # the config that trained the run, for `flywheel export`'s model card
+        save_run_config(system.run_dir, cfg)
+    except OSError as e:
+        console.print(f"[yellow]the run's config was not saved in the run directory: {e}[/]")
     _pointer().parent.mkdir(parents=True, exist_ok=True)
     _pointer().write_bytes((system.run_dir / "flywheel.json").read_bytes())
     console.print(f"[green]system up[/]: scheduler {system.scheduler_url} (docs at /docs, dashboard at "

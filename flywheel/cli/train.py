@@ -41,8 +41,21 @@ def run(
     t0 = time.monotonic()
     extra = _read_jsonl(submit) if submit else []
     loaded = _load(config, set_)[0]
+    if loaded.stages == ["sft"]:
+        from flywheel.cli.sft import run_sft_stage
+
+        run_sft_stage(config, loaded)
+        return
     tasks = config_tasks(loaded) + extra  # before anything starts
     check_environment_domains(loaded)
+    if "sft" in loaded.stages:  # [sft, rl]: the tasks and domains checked first, then SFT, then RL from its model
+        from flywheel.cli.sft import run_sft_stage
+
+        sft_model = run_sft_stage(config, loaded)
+        console.print(f"rl stage: model.name = {sft_model} (the SFT model: the base and the KL reference)",
+                      markup=False, highlight=False)
+        set_ = [*(set_ or []), f"model.name={sft_model}"]
+        t0 = time.monotonic()  # --timeout and the report's wall time are the RL stage's
     system, cfg = _start(config, set_, run_dir, fresh=True)
     try:
         result = _train(system, cfg, t0, timeout, tasks, retry_s=retry, report=report)

@@ -249,18 +249,57 @@ async def reconnect_pause(cfg: KafkaConfig, attempt: int, stop: asyncio.Event | 
 
 async def stop_clients(*clients, timeout_s: float = 5.0) -> None:
     """Stop each client within ``timeout_s`` seconds (a producer with a dead broker would otherwise wait for
-    its unsent batches); errors are logged, never raised."""
+    its unsent batches); errors are logged, never raised. A stop cut short (the bound, or aiokafka's own
+    cancellation with the broker gone) is finished by :func:`_close_connections`, within ``timeout_s`` more.
+
+    Raises:
+        asyncio.CancelledError: the caller was cancelled meanwhile (after every client is closed).
+    """
+    cancelled: asyncio.CancelledError | None = None
     for c in clients:
         if c is None:
             continue
+        before = _cancels()
         try:
             await asyncio.wait_for(c.stop(), timeout_s)
-        except asyncio.CancelledError:
-            # aiokafka's consumer re-raises the cancellation of its own coordinator task when the broker is
-            # gone; only a cancellation of the caller itself may propagate
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise
-            log.info("closing %s: cancelled inside aiokafka", type(c).__name__)
+            continue
+        except asyncio.CancelledError as e:
+            if _cancels() > before:  # the caller is being cancelled: close every client, then propagate
+                cancelled = e
+            else:  # aiokafka's consumer re-raises the cancellation of its own heartbeat or coordinator task
+                log.info("closing %s: cancelled inside aiokafka; closing its connections", type(c).__name__)
         except Exception as e:  # noqa: BLE001 - closing after a failure; best effort
-            log.info("closing %s: %r", type(c).__name__, e)
+            log.info("closing %s: %r; closing its connections", type(c).__name__, e)
+        await _close_connections(c, timeout_s)
+    if cancelled is not None:
+        raise cancelled
+
+
+async def _close_connections(client, timeout_s: float) -> None:
+    """Close what an interrupted ``stop()`` did not reach: the producer's sender task, the consumer's fetcher,
+    then the network client (its connections and metadata task). Left open, they reconnect to the broker for as
+    long as the process lives, one more set after every outage. Each step within ``timeout_s``; errors logged.
+
+    Raises:
+        asyncio.CancelledError: the caller was cancelled meanwhile.
+    """
+    sender, fetcher = getattr(client, "_sender", None), getattr(client, "_fetcher", None)
+    net = getattr(client, "_client", None) or getattr(client, "client", None)
+    for part in (sender, fetcher, net):
+        if part is None:
+            continue
+        before = _cancels()
+        try:
+            await asyncio.wait_for(part.close(), timeout_s)
+        except asyncio.CancelledError:
+            if _cancels() > before:
+                raise
+        except Exception as e:  # noqa: BLE001 - best effort
+            log.info("closing %s's %s: %r", type(client).__name__, type(part).__name__, e)
+
+
+def _cancels() -> int:
+    """Pending cancellation requests of the current task: one more after an await means the task itself was
+    cancelled, not only a task inside aiokafka that the await re-raised."""
+    task = asyncio.current_task()
+    return task.cancelling() if task is not None else 0

@@ -79,10 +79,12 @@ def test_an_environment_that_cannot_load_stops_the_run_before_anything_starts(ti
     assert "system up" not in out and not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("example", ["calculator/calculator.py", "guess_number/guess_number.py"])
+@pytest.mark.parametrize("example", ["calculator/calculator.py", "guess_number/guess_number.py",
+                                     "arithmetic_retry/arithmetic_retry.py"])
 def test_a_shipped_multi_turn_environment_runs_its_loop_and_trains(tiny, tmp_path, example):
-    """The tool environment (two Python tools, per-rollout state) and the multi-turn one (``env_response``
-    hints) run their loops in the rollout and train a few steps; nothing is an infrastructure error."""
+    """The tool environment (two Python tools, per-rollout state) and the multi-turn ones (``env_response``
+    hints, a retry after a wrong answer) run their loops in the rollout and train a few steps; nothing is an
+    infrastructure error."""
     config = _config(tmp_path, tiny, {"path": str(ROOT / "environments" / example), "args": {"n": 40}})
     report = tmp_path / "report.json"
     r = _run(config, "--set", "budget.max_steps=3", "--set", "tasks.eval_size=4", "--set", "scheduler.max_tokens=8",

@@ -53,6 +53,26 @@ def test_greedy_is_deterministic_and_temperature_scales_logprobs(tiny_dir):
     torch.testing.assert_close(torch.tensor(hot.logprobs), ref, atol=1e-4, rtol=1e-4)
 
 
+def test_requests_of_different_token_limits_decode_as_one_batch_each_to_its_own_limit(tiny_dir):
+    """A multi-turn rollout's later turns ask for what their budget has left: requests of one distribution but
+    different ``max_new_tokens`` share one batch, and each row stops at its own limit (finish ``length``) with the
+    tokens it would have had alone."""
+    eng = _engine(tiny_dir)
+    eng.eos_ids = set()  # no early stop: every row runs to its limit
+    p = encode_chat(eng.tokenizer, [{"role": "user", "content": "x"}])
+    q = encode_chat(eng.tokenizer, [{"role": "user", "content": "another one"}])
+    alone = eng.generate([GenerationRequest(p, 1, SamplingParams(max_new_tokens=9, temperature=0.0))])[0][0]
+    before = eng.batches
+    short, long_, other = eng.generate([GenerationRequest(p, 2, SamplingParams(max_new_tokens=3, temperature=0.0)),
+                                        GenerationRequest(p, 1, SamplingParams(max_new_tokens=9, temperature=0.0)),
+                                        GenerationRequest(q, 1, SamplingParams(max_new_tokens=5, temperature=0.0))])
+    assert eng.batches == before + 1
+    assert [len(s.completion_ids) for s in short + long_ + other] == [3, 3, 9, 5]
+    assert all(s.finish_reason == "length" and len(s.logprobs) == len(s.completion_ids) for s in short + long_ + other)
+    assert short[0].completion_ids == alone.completion_ids[:3] and long_[0].completion_ids == alone.completion_ids
+    assert short[0].versions[-1].end == 3
+
+
 def test_interrupted_generation_tags_each_token_with_its_version_and_trains_under_eta_1(tiny_dir, tmp_path):
     from safetensors.torch import load_file
 

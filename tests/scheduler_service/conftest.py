@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 from contextlib import asynccontextmanager
 
 import httpx
 import pytest
 
+from flywheel.broker import EmbeddedBroker
 from flywheel.config import FlywheelConfig
 from scheduler_service.api import create_app
 from scheduler_service.config import SchedulerConfig
@@ -52,6 +55,27 @@ def running():
             registry.close()
 
     return run
+
+
+@pytest.fixture
+def private_broker(tmp_path):
+    """``(broker, restart)``: a Tansu of this test only; ``restart()`` kills it with -9 and starts an empty one on
+    the same port, returning the new one. Everything is stopped by pid at the end."""
+    live = [EmbeddedBroker.start(log_path=tmp_path / "broker.log")]
+
+    def restart() -> EmbeddedBroker:
+        old = live[-1]
+        if old.process.poll() is None:
+            os.kill(old.pid, signal.SIGKILL)
+            old.process.wait(10)
+        live.append(EmbeddedBroker.start(port=old.port, log_path=tmp_path / "broker.log"))
+        return live[-1]
+
+    try:
+        yield live[0], restart
+    finally:
+        for b in live:
+            b.stop()
 
 
 _SEQ = itertools.count()

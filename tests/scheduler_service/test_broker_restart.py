@@ -29,27 +29,6 @@ from shared.schemas import DecodeError, RewardEvent, RolloutRequest, WeightUpdat
 pytestmark = [pytest.mark.kafka, pytest.mark.e2e]  # kills the broker: the e2e tier
 
 
-@pytest.fixture
-def private_broker(tmp_path):
-    """``(broker, restart)``: a Tansu of this test only; ``restart()`` kills it with -9 and starts an empty one on
-    the same port, returning the new one. Everything is stopped by pid at the end."""
-    live = [EmbeddedBroker.start(log_path=tmp_path / "broker.log")]
-
-    def restart() -> EmbeddedBroker:
-        old = live[-1]
-        if old.process.poll() is None:
-            os.kill(old.pid, signal.SIGKILL)
-            old.process.wait(10)
-        live.append(EmbeddedBroker.start(port=old.port, log_path=tmp_path / "broker.log"))
-        return live[-1]
-
-    try:
-        yield live[0], restart
-    finally:
-        for b in live:
-            b.stop()
-
-
 def _kafka(broker: EmbeddedBroker) -> KafkaConfig:
     fields = {"bootstrap_servers": broker.bootstrap_servers, "partitions": 2}
     if "request_timeout_ms" in KafkaConfig.model_fields:  # a send to a dead broker fails within seconds

@@ -272,3 +272,24 @@ def test_no_training_row_left_names_the_eval_size_asked_and_the_rows_there(tmp_p
     with pytest.raises(ValueError, match=re.escape(f"environment 'my_env': no training rows left: {says}")):
         make_tasks(TaskSourceConfig(kind="environment", environment={"path": str(path), "args": {"k": rows // 10}},
                                     train_size=100, eval_size=eval_size, samples_per_task=4))
+
+
+def test_the_retry_environment_pays_less_for_each_extra_answer():
+    """environments/arithmetic_retry: a wrong answer gets the retry prompt, a right one ends the rollout; the reward
+    is 1, 1/2, 1/4 for a right first, second, third answer, and an unchecked last answer (out of turns) counts."""
+    env = load_environment({"path": str(ROOT / "environments" / "arithmetic_retry" / "arithmetic_retry.py")})
+    assert len(env.dataset) == 200 and len({r["question"] for r in env.dataset}) == 200 and env.max_turns == 3
+    mod = sys.modules[env.env_response.__module__]
+
+    def play(answers: list[str], answer: int, checked: int) -> tuple[float, dict]:
+        state: dict = {}
+        mod.setup(state, answer)
+        said = [env.env_response(a, state) for a in answers[:checked]]
+        assert said[:-1] == [mod.RETRY] * (len(said) - 1)
+        return env.rubric.score(**{**CONTEXT, "completion": answers[-1], "answer": answer, "state": state}).score, state
+
+    assert play(["-3"], -3, 1)[0] == 1.0
+    assert play(["5", "7 - 3 = 4"], 4, 2)[0] == 0.5 and play(["1", "2", "3"], 3, 2)[0] == 0.25  # the third unchecked
+    score, state = play(["1", "2", "5"], 3, 2)
+    assert score == 0.0 and state["answers"] == [1, 2]
+    assert play(["The answer is", "It is 12"], 12, 1)[0] == 0.5  # no number at first: a wrong answer
