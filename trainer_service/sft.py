@@ -68,40 +68,22 @@ class SftData:
 
 # ------------------------------------------------------------------ reading rows
 def read_rows(path: str, what: str = "sft.data") -> list[dict]:
-    """The rows of ``path``: a JSONL file (``.jsonl``/``.json``, one object per line), a Parquet file
-    (``.parquet``), or a folder written by ``datasets``' ``save_to_disk`` (its ``train`` split when it holds
-    several). ``what`` names the config field in errors.
+    """The rows of ``path``, read by :func:`shared.envs.datasets.read_source` (JSONL, JSON, Parquet, CSV, or a
+    ``datasets`` folder's ``train`` split). ``what`` names the config field in errors.
 
     Raises:
-        SftDataError: the path does not exist, its format is unknown, a line is not a JSON object, or
-            ``datasets`` is not installed for a folder.
+        SftDataError: the path does not exist, its format is unknown, or it is not valid JSON.
     """
-    p = Path(os.path.expanduser(path))
-    if not p.exists():
-        raise SftDataError(f"{what}: {path!r} does not exist")
-    if p.is_dir():
-        try:
-            import datasets
-        except ImportError:
-            raise SftDataError(f"{what}: {path!r} is a folder and `datasets` is not installed to read it") from None
-        ds = datasets.load_from_disk(str(p))
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-        return list(ds)
-    if p.suffix == ".parquet":
-        import pyarrow.parquet as pq
+    import orjson
 
-        return pq.read_table(p).to_pylist()
-    if p.suffix not in (".jsonl", ".json"):
-        raise SftDataError(f"{what}: {path!r}: expected a .jsonl or .parquet file or a datasets folder")
-    rows = []
-    for i, line in enumerate(p.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise SftDataError(f"{what}: {path}:{i}: not JSON: {e}") from None
-    return rows
+    from shared.envs.datasets import DatasetError, read_source
+
+    if not Path(os.path.expanduser(path)).exists():
+        raise SftDataError(f"{what}: {path!r} does not exist")
+    try:
+        return list(read_source(path, "train"))
+    except (DatasetError, orjson.JSONDecodeError, ImportError) as e:
+        raise SftDataError(f"{what}: {' '.join(str(e).split())}") from None
 
 
 def check_row(row: Any, where: str) -> tuple[list[dict], list[dict] | None]:

@@ -29,7 +29,14 @@ class DatasetError(ValueError):
     column, and the columns the row has."""
 
 
-def _read(source: Any, split: str) -> Iterable[dict]:
+def read_source(source: Any, split: str = "train") -> Iterable[dict]:
+    """The raw rows of ``source``: a list of dicts as is, a ``.jsonl`` (one object per line), ``.json`` (an
+    array), ``.parquet`` or ``.csv`` file, or a folder written by ``datasets``' ``save_to_disk`` (its ``split``).
+
+    Raises:
+        DatasetError: not a file or folder, an unknown format, or a missing split.
+        orjson.JSONDecodeError: a JSON(L) file that is not JSON (raised while iterating for JSONL).
+    """
     if isinstance(source, (list, tuple)):
         return source
     path = Path(source).expanduser()
@@ -104,7 +111,7 @@ def load_rows(source: Any, columns: dict[str, str] | None = None, split: str = "
     """
     label = "dataset" if isinstance(source, (list, tuple)) else f"dataset {str(source)!r}"
     try:
-        rows = _read(source, split)
+        rows = read_source(source, split)
         out = []
         for i, row in enumerate(rows):
             if limit is not None and i >= limit:
